@@ -1,0 +1,49 @@
+"""Check a converted dataset: index, shard hashes, sample counts and layout, token ids, metadata.
+
+    python convert/verify.py data/owt                 # check everything, print statistics
+    python convert/verify.py data/owt --decode 12     # also print train sample 12 as text
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
+
+from tokstream.errors import UserError, run_cli  # noqa: E402
+from tokstream.verify import read_sample, verify_dataset  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", help="dataset root written by a converter")
+    parser.add_argument("--decode", type=int, metavar="K", help="print sample K as text")
+    parser.add_argument("--split", default="train", help="split for --decode")
+    parser.add_argument("--ranks-file", default=None, help="local ranks file for --decode (offline)")
+    args = parser.parse_args()
+    if not Path(args.root).is_dir():
+        raise UserError(f"{args.root} is not a directory")
+
+    report = verify_dataset(args.root)
+    meta = report.metadata
+    print(f"{args.root}: {meta.format} v{meta.format_version}, {meta.tokenizer} (vocab {meta.vocab_size}, "
+          f"eot {meta.eot_id}), block_size {meta.block_size}, {meta.dtype}")
+    for name, split in report.splits.items():
+        stats = meta.splits[name]
+        print(f"  {name:5s} {stats.documents:>10,} docs {stats.tokens:>14,} tokens {split.samples:>11,} samples "
+              f"{split.shards:>5} shards {split.bytes / 1e6:>9.1f} MB")
+    if args.decode is not None:
+        from tokstream.tokenizer import load_tokenizer
+
+        tokens = read_sample(args.root, args.split, args.decode)
+        text = load_tokenizer(meta.tokenizer, args.ranks_file).encoding.decode(tokens.tolist())
+        print(f"--- {args.split} sample {args.decode} ({len(tokens)} tokens) ---\n{text}")
+    for problem in report.problems:
+        print(f"PROBLEM {problem}", file=sys.stderr)
+    if not report.ok:
+        raise UserError(f"{len(report.problems)} problem(s) found in {args.root}")
+    print("OK")
+
+
+if __name__ == "__main__":
+    run_cli(main)

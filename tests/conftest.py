@@ -1,0 +1,63 @@
+"""Shared fixtures: real documents from ../shared/corpora and helpers to run the CLIs."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+CORPORA = SHARED / "corpora"
+os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken_cache"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def wikitext_articles() -> list[str]:
+    """WikiText-2 validation split, one document per article (top-level ' = Title = ' headings)."""
+    text = (CORPORA / "wikitext2_valid.txt").read_text(encoding="utf-8")
+    starts = [m.start() for m in re.finditer(r"^ ?= [^=].*? = ", text, flags=re.M)]
+    return [text[a:b] for a, b in zip(starts, starts[1:] + [len(text)])]
+
+
+def shakespeare_paragraphs() -> list[str]:
+    """Tiny Shakespeare, one document per blank-line-separated speech."""
+    text = (CORPORA / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    return [p.strip("\n") for p in text.split("\n\n") if p.strip()]
+
+
+@pytest.fixture(scope="session")
+def gpt2():
+    from tokstream.tokenizer import load_tokenizer
+
+    return load_tokenizer("gpt2")
+
+
+@pytest.fixture(scope="session")
+def articles() -> list[str]:
+    return wikitext_articles()
+
+
+def write_jsonl(path: Path, docs: list[str], column: str = "text") -> Path:
+    with open(path, "w", encoding="utf-8") as handle:
+        for doc in docs:
+            handle.write(json.dumps({column: doc}) + "\n")
+    return path
+
+
+def nanogpt_stream(encoding, docs: list[str]) -> list[int]:
+    """What nanoGPT's prepare.py writes: encode_ordinary(doc) + [eot] for every document, in order."""
+    stream: list[int] = []
+    for doc in docs:
+        stream.extend(encoding.encode_ordinary(doc))
+        stream.append(encoding.eot_token)
+    return stream
+
+
+def run_script(script: str, *args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """Run one of the project's CLIs as a user would."""
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, **kwargs)

@@ -1,0 +1,212 @@
+"""convert/owt_to_mds.py: exact token streams, determinism, inputs, interruption and bad input."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import ROOT, nanogpt_stream, run_script, shakespeare_paragraphs, write_jsonl
+
+from tokstream.conversion import ConversionOptions, convert_documents
+from tokstream.format import read_metadata
+from tokstream.sources import open_source
+from tokstream.tokenize_docs import is_val_document
+
+
+def stock_samples(root: Path, split: str) -> np.ndarray:
+    """Every sample of a split as stock StreamingDataset returns it, in order."""
+    from streaming import StreamingDataset
+
+    dataset = StreamingDataset(local=str(root), split=split, shuffle=False, batch_size=1)
+    return np.stack([dataset[i]["tokens"] for i in range(len(dataset))])
+
+
+def expected_samples(stream: list[int], block_size: int) -> np.ndarray:
+    count = (len(stream) - 1) // block_size
+    return np.array([stream[k * block_size : k * block_size + block_size + 1] for k in range(count)])
+
+
+def convert(inputs: list, out: Path, **options) -> None:
+    options.setdefault("progress", False)
+    source = open_source([str(i) for i in inputs], txt_docs=options.pop("txt_docs", "file"))
+    from tokstream.tokenizer import load_tokenizer
+
+    convert_documents(source, load_tokenizer("gpt2"), str(out), ConversionOptions(**options))
+
+
+@pytest.mark.parametrize("block_size", [64, 1024])
+def test_stream_equals_nanogpt_sample_by_sample(tmp_path, gpt2, articles, block_size):
+    corpus = write_jsonl(tmp_path / "wiki.jsonl", articles)
+    convert([corpus], tmp_path / "out", block_size=block_size, val_fraction=0, num_workers=2)
+
+    expected = expected_samples(nanogpt_stream(gpt2.encoding, articles), block_size)
+    got = stock_samples(tmp_path / "out", "train")
+    assert got.dtype == np.uint16
+    assert got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+    meta = read_metadata(tmp_path / "out")
+    train = meta.splits["train"]
+    assert (train.documents, train.samples) == (len(articles), len(expected))
+    assert train.tokens == len(nanogpt_stream(gpt2.encoding, articles))
+    assert not (tmp_path / "out" / "val").exists()
+
+
+def test_split_is_reproducible_and_partitions_documents(tmp_path, gpt2):
+    docs = shakespeare_paragraphs()
+    corpus = tmp_path / "plays.txt"
+    corpus.write_text("\n\n".join(docs) + "\n")
+    convert([corpus], tmp_path / "a", block_size=32, val_fraction=0.05, seed=7, txt_docs="paragraph")
+
+    val_docs = [d for d in docs if is_val_document(d, 7, 0.05)]
+    train_docs = [d for d in docs if not is_val_document(d, 7, 0.05)]
+    assert 0.03 < len(val_docs) / len(docs) < 0.07
+    for split, split_docs in (("train", train_docs), ("val", val_docs)):
+        expected = expected_samples(nanogpt_stream(gpt2.encoding, split_docs), 32)
+        np.testing.assert_array_equal(stock_samples(tmp_path / "a", split), expected)
+    meta = read_metadata(tmp_path / "a")
+    assert meta.splits["train"].documents + meta.splits["val"].documents == len(docs)
+
+    # Same seed, same bytes; another seed, another split.
+    convert([corpus], tmp_path / "b", block_size=32, val_fraction=0.05, seed=7, txt_docs="paragraph")
+    assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")
+    assert [d for d in docs if is_val_document(d, 8, 0.05)] != val_docs
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_byte_identical_for_any_worker_count(tmp_path, articles):
+    corpus = write_jsonl(tmp_path / "wiki.jsonl", articles * 3)
+    outputs = []
+    for workers in (1, 2, 3):
+        out = tmp_path / f"w{workers}"
+        convert([corpus], out, block_size=128, val_fraction=0.1, num_workers=workers, shard_size="200kb",
+                compression="zstd")
+        outputs.append(tree_bytes(out))
+    assert len([name for name in outputs[0] if name.startswith("train/shard")]) > 3
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_txt_jsonl_parquet_and_folders_give_the_same_stream(tmp_path, articles):
+    docs = articles[:40]
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    for i, doc in enumerate(docs):
+        (folder / f"{i:04d}.txt").write_text(doc, encoding="utf-8")
+    write_jsonl(tmp_path / "docs.jsonl", docs, column="content")
+    pq.write_table(pa.table({"id": list(range(len(docs))), "content": docs}), tmp_path / "docs.parquet")
+
+    convert([folder], tmp_path / "from_txt", block_size=64, val_fraction=0)
+    for name in ("docs.jsonl", "docs.parquet"):
+        source = open_source([str(tmp_path / name)], text_column="content")
+        from tokstream.tokenizer import load_tokenizer
+
+        convert_documents(source, load_tokenizer("gpt2"), str(tmp_path / f"out_{name}"),
+                          ConversionOptions(block_size=64, val_fraction=0, progress=False))
+        np.testing.assert_array_equal(stock_samples(tmp_path / f"out_{name}", "train"),
+                                      stock_samples(tmp_path / "from_txt", "train"))
+
+
+def test_invalid_utf8_is_replaced_and_counted(tmp_path, gpt2):
+    corpus = tmp_path / "bad.jsonl"
+    corpus.write_bytes(b'{"text": "caf\xe9 au lait and more words to fill a block"}\n{"text": "fine text"}\n')
+    convert([corpus], tmp_path / "out", block_size=4, val_fraction=0)
+    meta = read_metadata(tmp_path / "out")
+    assert meta.extra["invalid_utf8_documents_replaced"] == 1
+    stream = nanogpt_stream(gpt2.encoding, ["caf\ufffd au lait and more words to fill a block", "fine text"])
+    np.testing.assert_array_equal(stock_samples(tmp_path / "out", "train"), expected_samples(stream, 4))
+
+
+def test_cli_converts_and_verifies(tmp_path):
+    corpus = ROOT.parent / "shared" / "corpora" / "tinyshakespeare.txt"
+    done = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--txt-docs", "paragraph", "--out",
+                      tmp_path / "out", "--block-size", "256", "--val-fraction", "0.05", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert "train" in done.stdout and "samples" in done.stdout
+    checked = run_script("convert/verify.py", tmp_path / "out", "--decode", "0")
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stdout.rstrip().endswith("OK")
+    assert "First Citizen:" in checked.stdout
+
+    # Existing output is refused unless --overwrite.
+    again = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", tmp_path / "out")
+    assert again.returncode == 2
+    assert "--overwrite" in again.stderr and len(again.stderr.strip().splitlines()) == 1
+
+
+def test_verify_names_a_corrupt_shard(tmp_path, articles):
+    write_jsonl(tmp_path / "wiki.jsonl", articles)
+    convert([tmp_path / "wiki.jsonl"], tmp_path / "out", block_size=64, val_fraction=0, shard_size="100kb")
+    shard = tmp_path / "out" / "train" / "shard.00002.mds"
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    checked = run_script("convert/verify.py", tmp_path / "out")
+    assert checked.returncode == 2
+    assert "shard.00002.mds: xxh64 hash mismatch" in checked.stderr
+
+
+BAD_INPUTS = [
+    # (description, files to create, extra args, words the one-line error must contain)
+    ("missing path", {}, ["--dataset", "{tmp}/nope.jsonl"], "does not exist"),
+    ("unknown type", {"a.csv": b"text\nhello\n"}, ["--dataset", "{tmp}/a.csv"], "unknown file type .csv"),
+    ("missing column", {"a.jsonl": b'{"body": "x", "id": 1}\n'}, ["--dataset", "{tmp}/a.jsonl"],
+     "no field 'text'; fields: body, id"),
+    ("missing parquet column", None, ["--dataset", "{tmp}/a.parquet"], "columns: body"),
+    ("empty corpus", {"a.jsonl": b""}, ["--dataset", "{tmp}/a.jsonl"], "no documents"),
+    ("too small", {"a.jsonl": b'{"text": "hi"}\n'}, ["--dataset", "{tmp}/a.jsonl"], "fewer than one sample"),
+    ("block size", {"a.jsonl": b'{"text": "hi"}\n'}, ["--dataset", "{tmp}/a.jsonl", "--block-size", "0"],
+     "--block-size must be at least 1"),
+    ("bad json", {"a.jsonl": b'{"text": "hi"\n'}, ["--dataset", "{tmp}/a.jsonl"], "a.jsonl:1: invalid JSON"),
+]
+
+
+@pytest.mark.parametrize("name,files,args,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_one_line_and_no_output(tmp_path, name, files, args, message):
+    if files is None:
+        pq.write_table(pa.table({"body": ["x"]}), tmp_path / "a.parquet")
+    for filename, content in (files or {}).items():
+        (tmp_path / filename).write_bytes(content)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    done = run_script("convert/owt_to_mds.py", *args, "--out", tmp_path / "out", "--val-fraction", "0")
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_conversion_never_looks_complete(tmp_path, articles, sig):
+    corpus = write_jsonl(tmp_path / "wiki.jsonl", articles * 30)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "convert/owt_to_mds.py"), "--dataset", str(corpus), "--out", str(out),
+           "--block-size", "64", "--shard-size", "64kb", "--num-workers", "1", "--no-progress",
+           "--val-fraction", "0.1"]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial = tmp_path / "out.partial"
+    deadline = time.monotonic() + 120
+    while not list(partial.glob("train/shard.*")) and time.monotonic() < deadline:  # mid-write
+        time.sleep(0.05)
+    process.send_signal(sig)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode != 0
+    assert not out.exists()
+    if sig == signal.SIGTERM:  # caught: partial output cleaned up, one line said so
+        assert not partial.exists() and "interrupted" in stderr
+        return
+    assert partial.exists() and not (partial / "metadata.json").exists()
+    refused = subprocess.run(cmd, capture_output=True, text=True)
+    assert refused.returncode == 2 and "interrupted conversion" in refused.stderr
+    redone = subprocess.run(cmd + ["--overwrite"], capture_output=True, text=True)
+    assert redone.returncode == 0, redone.stderr
+    assert not partial.exists()
+    convert([corpus], tmp_path / "clean", block_size=64, shard_size="64kb", val_fraction=0.1)
+    assert tree_bytes(out) == tree_bytes(tmp_path / "clean")

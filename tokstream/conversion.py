@@ -1,0 +1,138 @@
+"""Text documents to a block-aligned MDS dataset: the core every text converter calls."""
+
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from tokstream.errors import UserError
+from tokstream.format import (SPLITS, BlockPacker, DatasetMetadata, SplitStats, open_split_writer,
+                              token_dtype, write_metadata)
+from tokstream.sources import DocumentSource
+from tokstream.staging import staged_output
+from tokstream.tokenize_docs import tokenize_documents
+from tokstream.tokenizer import Tokenizer
+
+
+@dataclass
+class ConversionOptions:
+    block_size: int = 1024
+    val_fraction: float = 0.0005
+    seed: int = 2357
+    num_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    max_docs: int | None = None
+    shard_size: str = "64mb"
+    compression: str | None = None
+    hashes: tuple[str, ...] = ("xxh64",)
+    overwrite: bool = False
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise UserError(f"--block-size must be at least 1, got {self.block_size}")
+        if not 0 <= self.val_fraction < 1:
+            raise UserError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.max_docs is not None and self.max_docs < 1:
+            raise UserError(f"--max-docs must be at least 1, got {self.max_docs}")
+
+
+def _preload_streaming() -> None:
+    """`import streaming` pulls in torch (seconds of CPU): start it while tokenization runs."""
+    def load() -> None:
+        try:
+            import streaming  # noqa: F401
+        except Exception:  # re-raised where the writer is opened
+            pass
+
+    threading.Thread(target=load, daemon=True).start()
+
+
+class _SplitOutput:
+    """Packs one split's token stream into samples and writes them, opening the writer lazily."""
+
+    def __init__(self, name: str, directory: Path, metadata: DatasetMetadata, options: ConversionOptions):
+        self.name, self.directory, self.metadata, self.options = name, directory, metadata, options
+        self.packer = BlockPacker(metadata.block_size, metadata.np_dtype)
+        self.stats = SplitStats()
+        self.writer = None
+
+    def add(self, tokens, documents: int) -> None:
+        self.stats.documents += documents
+        for sample in self.packer.add(tokens):
+            if self.writer is None:
+                self.writer = open_split_writer(self.directory, self.metadata, self.options.shard_size,
+                                                self.options.compression, list(self.options.hashes))
+            self.writer.write({self.metadata.column: sample})
+
+    def finish(self) -> SplitStats:
+        stats = self.stats
+        stats.tokens, stats.samples = self.packer.tokens, self.packer.samples
+        stats.dropped_tokens = self.packer.dropped_tokens
+        if self.writer is None:
+            hint = " or --val-fraction 0" if self.name == "val" else ""
+            raise UserError(
+                f"the {self.name} split got {stats.tokens} tokens from {stats.documents} documents, fewer "
+                f"than one sample of block_size + 1 = {self.metadata.block_size + 1}: use more data, a "
+                f"smaller --block-size{hint}"
+            )
+        self.writer.finish()
+        stats.shards = len(self.writer.shards)
+        stats.bytes = sum(p.stat().st_size for p in self.directory.iterdir())
+        return stats
+
+
+def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str,
+                      options: ConversionOptions) -> DatasetMetadata:
+    """Tokenize, split, pack and write; `out` appears only once everything is written."""
+    options.validate()
+    metadata = DatasetMetadata(
+        tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size, eot_id=tokenizer.eot_id,
+        block_size=options.block_size, dtype=token_dtype(tokenizer.vocab_size).name,
+        source=source.description,
+        split={"method": "blake2b-of-text", "seed": options.seed, "val_fraction": options.val_fraction},
+    )
+    split_names = SPLITS if options.val_fraction > 0 else ("train",)
+    with staged_output(out, options.overwrite) as staging:
+        outputs = {name: _SplitOutput(name, staging / name, metadata, options) for name in split_names}
+        documents = itertools.islice(source, options.max_docs)
+        batches = tokenize_documents(documents, tokenizer, options.seed, options.val_fraction,
+                                     metadata.np_dtype, options.num_workers)
+        started = time.monotonic()
+        total_tokens = 0
+        with tqdm(unit=" docs", desc="tokenizing", disable=not options.progress, total=options.max_docs,
+                  smoothing=0.1, delay=2) as bar:
+            for batch in batches:
+                if not total_tokens:
+                    _preload_streaming()  # input proved readable: overlap the writer's import with work
+                outputs["train"].add(batch.train, batch.train_docs)
+                if batch.val_docs:
+                    outputs["val"].add(batch.val, batch.val_docs)
+                total_tokens += len(batch.train) + len(batch.val)
+                bar.update(batch.train_docs + batch.val_docs)
+                bar.set_postfix_str(f"{total_tokens / max(time.monotonic() - started, 1e-9) / 1e6:.2f}M tok/s",
+                                    refresh=False)
+        if sum(o.stats.documents for o in outputs.values()) == 0:
+            raise UserError("the input holds no documents: nothing to convert")
+        metadata.splits = {name: output.finish() for name, output in outputs.items()}
+        metadata.extra = {"invalid_utf8_documents_replaced": source.stats.invalid_utf8_docs}
+        write_metadata(staging, metadata)
+    return metadata
+
+
+def summary(metadata: DatasetMetadata, out: str, seconds: float) -> str:
+    """Human-readable closing lines for a conversion."""
+    lines = [f"wrote {out} ({metadata.tokenizer}, block_size {metadata.block_size}, {metadata.dtype})"]
+    tokens = 0
+    for name, s in metadata.splits.items():
+        tokens += s.tokens
+        lines.append(f"  {name:5s} {s.documents:>10,} docs {s.tokens:>14,} tokens {s.samples:>11,} samples "
+                     f"{s.dropped_tokens:>6,} dropped tail tokens {s.shards:>5} shards {s.bytes / 1e6:>9.1f} MB")
+    replaced = metadata.extra.get("invalid_utf8_documents_replaced", 0)
+    if replaced:
+        lines.append(f"  {replaced} documents had invalid UTF-8 bytes, replaced with U+FFFD")
+    lines.append(f"  {seconds:.1f} s, {tokens / max(seconds, 1e-9) / 1e6:.2f} M tokens/s")
+    return "\n".join(lines)

@@ -1,0 +1,192 @@
+"""The on-disk format, owned here and nowhere else.
+
+A dataset root holds one plain MDS dataset per split plus a metadata record:
+
+    ROOT/metadata.json          this module's schema (FORMAT_NAME, FORMAT_VERSION)
+    ROOT/train/index.json       stock MDS index, read by streaming.StreamingDataset
+    ROOT/train/shard.00000.mds  ...
+    ROOT/val/...                (absent when the val fraction is 0)
+
+Every MDS sample has one column, `tokens`: a fixed-length array of
+`block_size + 1` token ids, encoded `ndarray:<dtype>:<block_size + 1>` so the
+sample carries no per-sample header. Sample k holds stream tokens
+[k*B, k*B + B] inclusive: consecutive samples overlap by one token, inputs are
+`tokens[:-1]` and targets `tokens[1:]`, so every token after the first is a
+target exactly once. The dtype is uint16 when every id fits, else uint32.
+"""
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tokstream.errors import UserError
+
+FORMAT_NAME = "tokstream-mds"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+TOKENS_COLUMN = "tokens"
+SPLITS = ("train", "val")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds every id of the vocabulary."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def sample_length(block_size: int) -> int:
+    """Tokens stored per sample: one more than the block, for the shifted targets."""
+    return block_size + 1
+
+
+def column_encoding(dtype: np.dtype, block_size: int) -> str:
+    """The MDS encoding of the tokens column: static dtype and shape, so no per-sample header."""
+    return f"ndarray:{np.dtype(dtype).name}:{sample_length(block_size)}"
+
+
+@dataclass
+class SplitStats:
+    """Counts for one split, filled in while it is written."""
+
+    documents: int = 0
+    tokens: int = 0
+    samples: int = 0
+    dropped_tokens: int = 0  # tail tokens that never became a target
+    shards: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class DatasetMetadata:
+    """The record training checks its config against; one per dataset root."""
+
+    tokenizer: str
+    vocab_size: int
+    eot_id: int
+    block_size: int
+    dtype: str
+    source: dict
+    split: dict  # how documents were assigned to splits: method, seed, val_fraction
+    splits: dict[str, SplitStats] = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # converter-specific facts (dropped docs, repairs)
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+    column: str = TOKENS_COLUMN
+
+    @property
+    def sample_length(self) -> int:
+        return sample_length(self.block_size)
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "metadata") -> "DatasetMetadata":
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{where} is not valid JSON: {err}") from None
+        if raw.get("format") != FORMAT_NAME:
+            raise UserError(f"{where} is not a {FORMAT_NAME} dataset (format={raw.get('format')!r})")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise UserError(
+                f"{where} has format version {raw.get('format_version')}, this code reads "
+                f"version {FORMAT_VERSION}: reconvert the data or use a matching release"
+            )
+        raw["splits"] = {name: SplitStats(**stats) for name, stats in raw["splits"].items()}
+        return cls(**raw)
+
+
+def write_metadata(root: str | os.PathLike, metadata: DatasetMetadata) -> None:
+    Path(root, METADATA_FILE).write_text(metadata.to_json())
+
+
+def read_metadata(root: str | os.PathLike) -> DatasetMetadata:
+    path = Path(root, METADATA_FILE)
+    if not path.is_file():
+        raise UserError(f"{root} has no {METADATA_FILE}: not a dataset written by this project's converters")
+    return DatasetMetadata.from_json(path.read_text(), where=str(path))
+
+
+def check_compatible(metadata: DatasetMetadata, vocab_size: int, block_size: int, where: str) -> None:
+    """Refuse a dataset whose tokens or sample length do not fit the model."""
+    if metadata.vocab_size > vocab_size:
+        raise UserError(f"{where}: dataset vocab_size {metadata.vocab_size} > model vocab_size "
+                        f"{vocab_size}; set model.vocab_size >= {metadata.vocab_size}")
+    if metadata.block_size != block_size:
+        raise UserError(f"{where}: dataset block_size {metadata.block_size} != model block_size "
+                        f"{block_size}; set model.block_size={metadata.block_size} or reconvert "
+                        f"with --block-size {block_size}")
+    if metadata.np_dtype != token_dtype(metadata.vocab_size):
+        raise UserError(f"{where}: dtype {metadata.dtype} does not match vocab_size {metadata.vocab_size}")
+
+
+class BlockPacker:
+    """Cuts a token stream, fed in pieces, into overlapping samples of block_size + 1 tokens."""
+
+    def __init__(self, block_size: int, dtype: np.dtype):
+        if block_size < 1:
+            raise UserError(f"block size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.dtype = np.dtype(dtype)
+        self.pending = np.empty(0, dtype=self.dtype)
+        self.tokens = 0
+        self.samples = 0
+
+    def add(self, tokens: np.ndarray) -> Iterator[np.ndarray]:
+        """Yield every sample completed by these tokens (views: write them before the next add)."""
+        self.tokens += len(tokens)
+        stream = np.concatenate([self.pending, tokens.astype(self.dtype, copy=False)])
+        count = max(0, (len(stream) - 1) // self.block_size)
+        for k in range(count):
+            start = k * self.block_size
+            yield stream[start : start + self.block_size + 1]
+        self.samples += count
+        # The last token of a sample is the first of the next one.
+        self.pending = stream[count * self.block_size :]
+
+    @property
+    def dropped_tokens(self) -> int:
+        """Tokens left over at the end that no sample uses as a target."""
+        return len(self.pending) - 1 if self.samples else len(self.pending)
+
+
+def shard_samples(data: bytes | np.ndarray, dtype: np.dtype, length: int) -> np.ndarray:
+    """View a decompressed MDS shard of this format as a (samples, length) token array.
+
+    MDS shard layout: uint32 sample count n, n + 1 uint32 byte offsets, the
+    writer's JSON config, then the samples back to back; with one fixed-size
+    column each sample is exactly its tokens.
+    """
+    buffer = np.frombuffer(data, dtype=np.uint8)
+    count = int(buffer[:4].view(np.uint32)[0])
+    offsets = buffer[4 : 4 + 4 * (count + 1)].view(np.uint32)
+    sample_bytes = length * np.dtype(dtype).itemsize
+    if count and not np.all(np.diff(offsets) == sample_bytes):
+        raise ValueError(f"samples are not {sample_bytes} bytes each")
+    begin = int(offsets[0])
+    end = begin + count * sample_bytes
+    if end > len(buffer) or int(offsets[-1]) != end:
+        raise ValueError(f"shard is truncated: offsets end at {int(offsets[-1])}, file has {len(buffer)} bytes")
+    return buffer[begin:end].view(dtype).reshape(count, length)
+
+
+def open_split_writer(split_dir: str | os.PathLike, metadata: DatasetMetadata, shard_size: str | int,
+                      compression: str | None, hashes: list[str]):
+    """streaming's MDSWriter for one split, with this format's single tokens column."""
+    from streaming import MDSWriter  # imports torch: keep it off the import path of light tools
+
+    return MDSWriter(
+        out=str(split_dir),
+        columns={TOKENS_COLUMN: column_encoding(metadata.np_dtype, metadata.block_size)},
+        compression=compression,
+        hashes=sorted(hashes),
+        size_limit=shard_size,
+    )

@@ -1,0 +1,96 @@
+"""Tokenizing documents in parallel, in input order, with a bounded number of batches in flight."""
+
+import hashlib
+import multiprocessing
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokstream.tokenizer import Tokenizer, load_tokenizer
+
+BATCH_CHARS = 1 << 20  # about 1 MB of text per task: large enough to amortise pickling
+BATCH_DOCS = 4096
+
+
+@dataclass
+class TokenizedBatch:
+    """One batch of documents, tokenized and assigned to splits, concatenated per split."""
+
+    train: np.ndarray
+    train_docs: int
+    val: np.ndarray
+    val_docs: int
+    chars: int
+
+
+def is_val_document(text: str, seed: int, val_fraction: float) -> bool:
+    """Content-keyed split: stable under reordering, and duplicates never straddle train/val."""
+    if val_fraction <= 0:
+        return False
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8,
+                             key=seed.to_bytes(8, "little", signed=True)).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
+
+
+# Per-process state: set directly for inline work, by the pool initializer in workers.
+_WORKER_STATE: dict = {}
+
+
+def _init_worker(tokenizer_name: str, ranks_file: str | None, seed: int, val_fraction: float,
+                 dtype: np.dtype) -> None:
+    tokenizer = load_tokenizer(tokenizer_name, ranks_file)
+    _WORKER_STATE.update(tokenizer=tokenizer, seed=seed, val_fraction=val_fraction, dtype=dtype)
+
+
+def _tokenize_batch(texts: list[str]) -> TokenizedBatch:
+    tokenizer: Tokenizer = _WORKER_STATE["tokenizer"]
+    seed, val_fraction, dtype = _WORKER_STATE["seed"], _WORKER_STATE["val_fraction"], _WORKER_STATE["dtype"]
+    encode, eot = tokenizer.encoding.encode_ordinary, tokenizer.eot_id
+    ids: dict[bool, list[int]] = {False: [], True: []}
+    docs = {False: 0, True: 0}
+    for text in texts:
+        to_val = is_val_document(text, seed, val_fraction)
+        ids[to_val].extend(encode(text))
+        ids[to_val].append(eot)  # nanoGPT appends <|endoftext|> after every document
+        docs[to_val] += 1
+    return TokenizedBatch(
+        train=np.array(ids[False], dtype=dtype), train_docs=docs[False],
+        val=np.array(ids[True], dtype=dtype), val_docs=docs[True],
+        chars=sum(map(len, texts)),
+    )
+
+
+def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    chars = 0
+    for text in documents:
+        batch.append(text)
+        chars += len(text)
+        if chars >= BATCH_CHARS or len(batch) >= BATCH_DOCS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def tokenize_documents(documents: Iterable[str], tokenizer: Tokenizer, seed: int, val_fraction: float,
+                       dtype: np.dtype, num_workers: int) -> Iterator[TokenizedBatch]:
+    """Yield tokenized batches in input order; the output does not depend on num_workers."""
+    if num_workers <= 1:
+        _WORKER_STATE.update(tokenizer=tokenizer, seed=seed, val_fraction=val_fraction, dtype=dtype)
+        for batch in _batches(documents):
+            yield _tokenize_batch(batch)
+        return
+    # forkserver, not fork: the parent may be importing torch in a thread meanwhile.
+    context = multiprocessing.get_context("forkserver")
+    init_args = (tokenizer.name, tokenizer.ranks_file, seed, val_fraction, dtype)
+    with context.Pool(num_workers, initializer=_init_worker, initargs=init_args) as pool:
+        in_flight: deque = deque()
+        for batch in _batches(documents):
+            in_flight.append(pool.apply_async(_tokenize_batch, (batch,)))
+            if len(in_flight) >= 2 * num_workers:
+                yield in_flight.popleft().get()
+        while in_flight:
+            yield in_flight.popleft().get()
