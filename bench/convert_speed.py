@@ -1,0 +1,103 @@
+"""Converter throughput against the raw tokenizer, measured in one run on the same documents.
+
+    python bench/convert_speed.py                 # builds a 160 MB corpus from ../shared/corpora
+    python bench/convert_speed.py --mb 300 --workers 2
+
+Baseline: tiktoken's `encode_ordinary_batch` with all cores over the documents already in memory.
+Converter: `python convert/owt_to_mds.py` end to end, process start and imports included.
+Peak RSS is that of the largest process of the conversion, at half and at full corpus size.
+"""
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CORPORA = ROOT.parent / "shared" / "corpora"
+
+
+def build_corpus(path: Path, megabytes: int, seed: int = 0) -> int:
+    """Web-page-sized documents (a few KB) made of real paragraphs, in a seeded random order."""
+    paragraphs = []
+    for name in ("wikitext2_valid.txt", "tinyshakespeare.txt"):
+        text = (CORPORA / name).read_text(encoding="utf-8")
+        paragraphs += [p for p in text.split("\n\n") if p.strip()]
+    rng = random.Random(seed)
+    written = 0
+    with open(path, "w", encoding="utf-8") as out:
+        while written < megabytes * 1_000_000:
+            doc = "\n\n".join(rng.choice(paragraphs) for _ in range(rng.randint(4, 24)))
+            out.write(json.dumps({"text": doc}) + "\n")
+            written += len(doc.encode("utf-8"))
+    return written
+
+
+def raw_tokenizer(path: Path, workers: int) -> None:
+    """Child process: print seconds and tokens of encode_ordinary_batch over documents already in memory."""
+    from tokstream.tokenizer import load_tokenizer
+
+    docs = [json.loads(line)["text"] for line in open(path, encoding="utf-8")]
+    encoding = load_tokenizer("gpt2").encoding
+    started = time.perf_counter()
+    tokens = sum(map(len, encoding.encode_ordinary_batch(docs, num_threads=workers)))
+    print(time.perf_counter() - started, tokens + len(docs))  # + one end-of-text token per document
+
+
+def run_child(args: list[str]) -> tuple[float, float, str]:
+    """Wall seconds, peak RSS (MB, largest process of its tree) and stdout of one fresh process."""
+    started = time.perf_counter()
+    child = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True)
+    stdout = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage, not every child's so far
+    seconds = time.perf_counter() - started
+    if status != 0:
+        raise SystemExit(f"{args} failed with status {status}")
+    return seconds, usage.ru_maxrss / 1024, stdout
+
+
+def converter_run(path: Path, out: Path, workers: int) -> tuple[float, float]:
+    seconds, rss, _ = run_child([str(ROOT / "convert/owt_to_mds.py"), "--dataset", str(path), "--out", str(out),
+                                 "--num-workers", str(workers), "--no-progress", "--overwrite"])
+    return seconds, rss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=int, default=160, help="corpus size in MB of text")
+    parser.add_argument("--workers", type=int, default=os.cpu_count())
+    parser.add_argument("--workdir", default=None, help="where to put the corpus and outputs (default: a temp dir)")
+    parser.add_argument("--raw", help=argparse.SUPPRESS)  # internal: run the baseline on this file
+    args = parser.parse_args()
+    if args.raw:
+        return raw_tokenizer(Path(args.raw), args.workers)
+
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        tmp = Path(tmp)
+        half, full = tmp / "half.jsonl", tmp / "full.jsonl"
+        build_corpus(half, args.mb // 2)
+        nbytes = build_corpus(full, args.mb)
+        _, rss_half = converter_run(half, tmp / "out_half", args.workers)
+        _, _, raw_out = run_child([__file__, "--raw", str(full), "--workers", str(args.workers)])
+        raw_s, tokens = float(raw_out.split()[0]), int(raw_out.split()[1])
+        conv_s, rss_full = converter_run(full, tmp / "out_full", args.workers)
+
+    print(f"corpus: {nbytes / 1e6:.0f} MB of text, {tokens / 1e6:.1f} M tokens, {args.workers} workers, "
+          f"{os.cpu_count()} cores")
+    print(f"raw tiktoken encode_ordinary_batch : {raw_s:7.2f} s  {tokens / raw_s / 1e6:6.2f} M tok/s  "
+          f"{nbytes / raw_s / 1e6:6.2f} MB/s")
+    print(f"owt_to_mds.py end to end           : {conv_s:7.2f} s  {tokens / conv_s / 1e6:6.2f} M tok/s  "
+          f"{nbytes / conv_s / 1e6:6.2f} MB/s")
+    print(f"ratio_converter_vs_raw_tokenizer={raw_s / conv_s:.2f}")
+    print(f"peak RSS (largest process): {rss_half:.0f} MB at {args.mb // 2} MB of text, "
+          f"{rss_full:.0f} MB at {args.mb} MB of text")
+
+
+if __name__ == "__main__":
+    main()
