@@ -1,0 +1,118 @@
+"""Training configuration: typed dataclasses loaded from YAML, with dotted key=value overrides."""
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from tokstream.errors import UserError
+
+
+@dataclass
+class DataConfig:
+    remote: str = ""  # dataset root written by a converter: local path or s3://...
+    local: str | None = None  # local cache for a remote; defaults to remote when that is a path
+    split: str = "train"
+    val_split: str = "val"
+    shuffle_seed: int = 9176
+    shuffle_algo: str = "py1e"
+    shuffle_block_size: int | None = None
+    # Fixed, not derived from the cluster: the global sample order depends on it, so keeping it
+    # constant is what lets a run resume on a different number of nodes and ranks.
+    num_canonical_nodes: int = 1
+    num_workers: int = 1
+    prefetch_factor: int | None = None
+    cache_limit: str | None = None
+    clean_stale_shared_memory: bool = True
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64 for fast matmuls
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 2000
+    decay_steps: int | None = None  # cosine decay length; defaults to max_steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/default"
+    max_steps: int = 600000
+    global_batch_size: int = 480  # samples per optimizer step, over all ranks and micro-batches
+    micro_batch_size: int = 12  # samples per rank per forward pass
+    seed: int = 1337
+    device: str = "auto"  # auto: cuda if available, else cpu
+    dtype: str = "bfloat16"  # autocast dtype on GPU; CPU runs in float32
+    compile: bool = False
+    log_interval: int = 10
+    eval_interval: int = 2000
+    eval_batches: int = 20
+    checkpoint_interval: int = 1000
+    keep_checkpoints: int = 3
+    trace_samples: bool = False
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _apply(target: object, key: str, value: object, where: str) -> None:
+    head, _, rest = key.partition(".")
+    names = {f.name: f for f in dataclasses.fields(target)}
+    if head not in names:
+        raise UserError(f"{where}: unknown config key {key!r}; valid here: {', '.join(names)}")
+    current = getattr(target, head)
+    if dataclasses.is_dataclass(current):
+        if rest:
+            return _apply(current, rest, value, where)
+        if not isinstance(value, dict):
+            raise UserError(f"{where}: {head} is a section, give it keys")
+        for sub_key, sub_value in value.items():
+            _apply(current, str(sub_key), sub_value, where)
+        return
+    if rest:
+        raise UserError(f"{where}: {head} is not a section, cannot set {key!r}")
+    if isinstance(current, bool) and not isinstance(value, bool):
+        raise UserError(f"{where}: {key} must be true or false, got {value!r}")
+    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if current is not None and value is not None and not isinstance(value, type(current)):
+        raise UserError(f"{where}: {key} must be {type(current).__name__}, got {value!r}")
+    setattr(target, head, value)
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
+    """Defaults, then the YAML file, then `key=value` overrides (values parsed as YAML)."""
+    config = TrainConfig()
+    if path:
+        if not Path(path).is_file():
+            raise UserError(f"config file {path} does not exist (see configs/)")
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        for key, value in loaded.items():
+            _apply(config, str(key), value, path)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise UserError(f"override {item!r} is not key=value")
+        _apply(config, key.strip(), yaml.safe_load(raw) if raw else None, "command line")
+    if not config.data.remote:
+        raise UserError("data.remote is not set: give the dataset root, e.g. data.remote=data/owt")
+    return config
