@@ -7,6 +7,7 @@ and tests), and collates uint16 tokens without widening them on the host.
 
 import hashlib
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,13 @@ def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
     }
 
 
+def _ignore_preemption_signals(worker_id: int) -> None:
+    """Workers share the rank's process group, which torchrun signals: only the rank should react
+    (it finishes the step and checkpoints); workers end with it."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, pin_memory: bool,
                 num_workers: int | None = None) -> StreamingDataLoader:
     remote = config.remote if is_remote(config.remote) else None
@@ -82,7 +90,7 @@ def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, 
     return StreamingDataLoader(
         dataset, batch_size=batch_size, collate_fn=collate, num_workers=workers, pin_memory=pin_memory,
         drop_last=True, prefetch_factor=config.prefetch_factor if workers else None,
-        persistent_workers=False,
+        persistent_workers=False, worker_init_fn=_ignore_preemption_signals,
     )
 
 

@@ -1,0 +1,177 @@
+"""torchrun train/main.py on CPU with gloo: exact resumption after preemption, through real torchrun.
+
+The contract: a run that is preempted (SIGTERM) or killed (SIGKILL after a periodic checkpoint)
+and relaunched with the same command consumes, step by step and rank by rank, exactly the samples
+of an uninterrupted run, with bitwise-equal losses.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, shakespeare_paragraphs
+
+from tokstream.conversion import ConversionOptions, convert_documents
+from tokstream.sources import open_source
+
+STEPS = 16
+BASE = ["configs/tiny.yaml", f"max_steps={STEPS}", f"optim.decay_steps={STEPS}", "checkpoint_interval=4", "eval_interval=8",
+        "trace_samples=true", "log_interval=100"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("data")
+    corpus = tmp / "plays.txt"
+    corpus.write_text("\n\n".join(shakespeare_paragraphs()) + "\n")
+    from tokstream.tokenizer import load_tokenizer
+
+    convert_documents(open_source([str(corpus)], txt_docs="paragraph"), load_tokenizer("gpt2"), str(tmp / "ds"),
+                      ConversionOptions(block_size=64, val_fraction=0.05, progress=False))
+    return tmp / "ds"
+
+
+def torchrun_command(nproc: int, dataset: Path, run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(ROOT / "train/main.py"), *BASE, f"data.remote={dataset}", f"run_dir={run_dir}", *overrides]
+
+
+def launch(nproc: int, dataset: Path, run_dir: Path, *overrides: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(torchrun_command(nproc, dataset, run_dir, *overrides), cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 300) -> str:
+    output, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, output[-3000:]
+    return output
+
+
+def train(nproc: int, dataset: Path, run_dir: Path, *overrides: str) -> str:
+    return finish(launch(nproc, dataset, run_dir, *overrides))
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(condition, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def trained_steps(run_dir: Path) -> list[tuple]:
+    """What must match across interruptions: step, per-rank sample ids, loss (exact float), lr."""
+    return [(m["step"], m["samples"], m["loss"], m["lr"]) for m in metrics(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def reference(dataset, tmp_path_factory) -> list[tuple]:
+    run_dir = tmp_path_factory.mktemp("reference")
+    train(2, dataset, run_dir)
+    steps = trained_steps(run_dir)
+    assert [s[0] for s in steps] == list(range(1, STEPS + 1))
+    return steps
+
+
+def test_uninterrupted_run_partitions_every_global_batch(reference, dataset):
+    seen = set()
+    for _, samples, loss, _ in reference:
+        rank0, rank1 = samples
+        assert len(rank0) == len(rank1) == 4
+        assert not set(rank0) & set(rank1)  # ranks never share a sample within an epoch
+        assert not seen & set(rank0 + rank1)
+        seen |= set(rank0 + rank1)
+    assert reference[-1][2] < reference[0][2]  # it learns
+
+
+def test_sigterm_at_a_random_step_then_relaunch_resumes_exactly(reference, dataset, tmp_path):
+    stop_after = random.Random().randint(2, STEPS - 3)
+    process = launch(2, dataset, tmp_path)
+    wait_for(lambda: len(metrics(tmp_path)) >= stop_after)
+    process.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to every rank
+    output, _ = process.communicate(timeout=120)
+    assert "preempted" in output, output[-3000:]
+    stopped = len(metrics(tmp_path))
+    assert stopped < STEPS and (tmp_path / f"ckpt-{stopped:08d}.pt").exists()
+
+    resumed = train(2, dataset, tmp_path)
+    assert f"resumed from {tmp_path / f'ckpt-{stopped:08d}.pt'} at step {stopped}" in resumed
+    assert trained_steps(tmp_path) == reference
+
+
+def test_sigkill_after_a_checkpoint_then_relaunch_resumes_exactly(reference, dataset, tmp_path):
+    process = launch(2, dataset, tmp_path)
+    wait_for(lambda: len(metrics(tmp_path)) >= 6)  # past the step-4 checkpoint, before step 8's
+    os.killpg(process.pid, signal.SIGKILL)  # node loss: no handler runs, shared memory is left behind
+    process.communicate(timeout=60)
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt"))[-1] == "ckpt-00000004.pt" or \
+        len(metrics(tmp_path)) >= 8
+
+    resumed = train(2, dataset, tmp_path)
+    assert "resumed from" in resumed
+    assert trained_steps(tmp_path) == reference  # steps after the checkpoint were retrained, same samples
+
+
+def test_relaunch_after_crash_with_stale_shared_memory(dataset, tmp_path):
+    """A stale streaming shared-memory block (left by a crash) does not stop the next start."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    from streaming.base.constant import LOCALS
+    from streaming.base.shared.prefix import _get_path
+
+    stale = SharedMemory(_get_path(0, LOCALS), create=True, size=64)  # what a SIGKILLed run leaves
+    stale.close()
+    try:
+        train(2, dataset, tmp_path, "max_steps=2")
+        assert len(metrics(tmp_path)) == 2
+    finally:
+        try:
+            SharedMemory(_get_path(0, LOCALS)).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def test_same_samples_whatever_num_workers(reference, dataset, tmp_path):
+    train(2, dataset, tmp_path / "w0", "data.num_workers=0", "max_steps=8")
+    train(2, dataset, tmp_path / "w2", "data.num_workers=2", "max_steps=8")
+    assert trained_steps(tmp_path / "w0") == trained_steps(tmp_path / "w2") == reference[:8]
+
+
+def test_resume_on_one_rank_with_doubled_accumulation(reference, dataset, tmp_path):
+    """2 ranks -> 1 rank, same global batch: the same samples each step, losses equal to rounding."""
+    train(2, dataset, tmp_path, "max_steps=8")
+    output = train(1, dataset, tmp_path)
+    assert "resuming a 2-rank run on 1 ranks" in output
+    after = metrics(tmp_path)
+    assert [m["step"] for m in after] == list(range(1, STEPS + 1))
+    for got, (step, samples, loss, lr) in zip(after[8:], reference[8:]):
+        assert sorted(got["samples"][0]) == sorted(samples[0] + samples[1])
+        assert got["lr"] == lr
+        assert got["loss"] == pytest.approx(loss, rel=1e-4)
+
+
+def test_resume_with_another_global_batch_is_refused(dataset, tmp_path):
+    train(2, dataset, tmp_path, "max_steps=4")
+    process = launch(2, dataset, tmp_path, "global_batch_size=16")
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert "global_batch_size changed from 8 to 16" in output
+
+
+def test_config_that_does_not_fit_the_dataset_is_refused(dataset, tmp_path):
+    process = launch(2, dataset, tmp_path, "model.block_size=128")
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert "dataset block_size 64 != model block_size 128" in output
+    assert not list(tmp_path.glob("ckpt-*"))
