@@ -1,0 +1,51 @@
+"""Plot loss curves from one or more runs' metrics.jsonl to a PNG.
+
+    python train/plot.py runs/gpt2-124m-owt --out loss.png
+    python train/plot.py runs/a runs/b --out compare.png
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on cluster nodes
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"error: {path} does not exist: is {run_dir} a run directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def plot_runs(run_dirs: list[str], out: str) -> None:
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for run_dir in run_dirs:
+        records = read_metrics(run_dir)
+        name = Path(run_dir).name
+        axis.plot([r["step"] for r in records], [r["loss"] for r in records], label=f"{name} train", lw=1)
+        val = [r for r in records if "val_loss" in r]
+        if val:
+            axis.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label=f"{name} val", ms=3)
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("cross-entropy loss (nats)")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="+")
+    parser.add_argument("--out", default="loss.png")
+    args = parser.parse_args()
+    plot_runs(args.run_dirs, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
