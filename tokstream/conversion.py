@@ -2,7 +2,6 @@
 
 import itertools
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tokstream.errors import UserError
-from tokstream.format import (SPLITS, BlockPacker, DatasetMetadata, SplitStats, open_split_writer,
+from tokstream.format import (SPLITS, BlockPacker, DatasetMetadata, SplitStats, ShardWriter,
                               token_dtype, write_metadata)
 from tokstream.sources import DocumentSource
 from tokstream.staging import staged_output
@@ -40,17 +39,6 @@ class ConversionOptions:
             raise UserError(f"--max-docs must be at least 1, got {self.max_docs}")
 
 
-def _preload_streaming() -> None:
-    """`import streaming` pulls in torch (seconds of CPU): start it while tokenization runs."""
-    def load() -> None:
-        try:
-            import streaming  # noqa: F401
-        except Exception:  # re-raised where the writer is opened
-            pass
-
-    threading.Thread(target=load, daemon=True).start()
-
-
 class _SplitOutput:
     """Packs one split's token stream into samples and writes them, opening the writer lazily."""
 
@@ -62,11 +50,12 @@ class _SplitOutput:
 
     def add(self, tokens, documents: int) -> None:
         self.stats.documents += documents
-        for sample in self.packer.add(tokens):
-            if self.writer is None:
-                self.writer = open_split_writer(self.directory, self.metadata, self.options.shard_size,
-                                                self.options.compression, list(self.options.hashes))
-            self.writer.write({self.metadata.column: sample})
+        samples = self.packer.add(tokens)
+        if len(samples) and self.writer is None:
+            self.writer = ShardWriter(self.directory, self.metadata, self.options.shard_size,
+                                      self.options.compression, list(self.options.hashes))
+        if len(samples):
+            self.writer.write(samples)
 
     def finish(self) -> SplitStats:
         stats = self.stats
@@ -106,8 +95,6 @@ def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str,
         with tqdm(unit=" docs", desc="tokenizing", disable=not options.progress, total=options.max_docs,
                   smoothing=0.1, delay=2) as bar:
             for batch in batches:
-                if not total_tokens:
-                    _preload_streaming()  # input proved readable: overlap the writer's import with work
                 outputs["train"].add(batch.train, batch.train_docs)
                 if batch.val_docs:
                     outputs["val"].add(batch.val, batch.val_docs)

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from tokstream.errors import UserError
-from tokstream.format import DatasetMetadata, column_encoding, read_metadata, shard_samples
+from tokstream.format import (DatasetMetadata, column_encoding, decompress_shard, file_hash, read_metadata,
+                              shard_samples)
 
 
 @dataclass
@@ -39,9 +40,6 @@ def _read_index(split_dir: Path) -> dict:
 
 def _shard_bytes(split_dir: Path, shard: dict, problems: list[str]) -> bytes | None:
     """The shard's decompressed bytes after checking size and hashes, or None if it is unusable."""
-    from streaming.base.compression import decompress
-    from streaming.base.hashing import get_hash
-
     stored = shard["zip_data"] or shard["raw_data"]
     path = split_dir / stored["basename"]
     if not path.is_file():
@@ -52,10 +50,10 @@ def _shard_bytes(split_dir: Path, shard: dict, problems: list[str]) -> bytes | N
         problems.append(f"{path}: {len(data)} bytes, index says {stored['bytes']}")
         return None
     for algo, expected in stored["hashes"].items():
-        if get_hash(algo, data) != expected:
+        if file_hash(algo, data) != expected:
             problems.append(f"{path}: {algo} hash mismatch (corrupt or altered shard)")
             return None
-    return decompress(shard["compression"], data) if shard["zip_data"] else data
+    return decompress_shard(shard["compression"], data) if shard["zip_data"] else data
 
 
 def iter_split_samples(root: str | Path, split: str, problems: list[str]) -> Iterator[np.ndarray]:

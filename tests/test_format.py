@@ -1,0 +1,77 @@
+"""The on-disk format: sample layout, dtype rule, and shards byte-identical to streaming's MDSWriter."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokstream.format import (BlockPacker, DatasetMetadata, ShardWriter, column_encoding, shard_samples,
+                              token_dtype)
+
+
+def metadata(block_size: int, vocab_size: int = 50257) -> DatasetMetadata:
+    return DatasetMetadata(tokenizer="gpt2", vocab_size=vocab_size, eot_id=vocab_size - 1, block_size=block_size,
+                           dtype=token_dtype(vocab_size).name, source={}, split={})
+
+
+def test_dtype_rule():
+    assert token_dtype(50257) == np.uint16
+    assert token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32
+    assert token_dtype(128256) == np.uint32  # Llama-3
+    assert column_encoding(np.uint16, 1024) == "ndarray:uint16:1025"
+
+
+def test_packer_overlaps_by_one_and_counts_the_dropped_tail():
+    stream = np.arange(23, dtype=np.uint32)
+    packer = BlockPacker(block_size=5, dtype=np.uint32)
+    pieces = [packer.add(chunk).copy() for chunk in np.array_split(stream, [1, 2, 9, 9, 17])]
+    samples = np.concatenate(pieces)
+    np.testing.assert_array_equal(samples, [stream[k * 5 : k * 5 + 6] for k in range(4)])
+    assert packer.tokens == 23 and packer.samples == 4
+    assert packer.dropped_tokens == 23 - (4 * 5 + 1)  # tokens 21 and 22 never become targets
+
+
+def _mds_writer_output(directory: Path, samples: np.ndarray, meta: DatasetMetadata, **settings) -> None:
+    from streaming import MDSWriter
+
+    writer = MDSWriter(out=str(directory), columns={"tokens": column_encoding(meta.np_dtype, meta.block_size)},
+                       **settings)
+    for sample in samples:
+        writer.write({"tokens": sample})
+    writer.finish()
+
+
+@pytest.mark.parametrize("settings", [
+    {"size_limit": 1 << 26, "hashes": []},
+    {"size_limit": 20_000, "hashes": ["sha1", "xxh64"]},
+    {"size_limit": 20_000, "hashes": ["xxh64"], "compression": "zstd"},
+    {"size_limit": 9_000, "hashes": ["xxh3_64"], "compression": "zstd:7"},
+])
+@pytest.mark.parametrize("vocab_size", [50257, 100277])
+def test_shards_are_byte_identical_to_mdswriter(tmp_path, settings, vocab_size):
+    meta = metadata(block_size=128, vocab_size=vocab_size)
+    rng = np.random.default_rng(0)
+    samples = rng.integers(0, vocab_size, size=(301, 129)).astype(meta.np_dtype)
+    _mds_writer_output(tmp_path / "stock", samples, meta, **settings)
+
+    writer = ShardWriter(tmp_path / "ours", meta, settings["size_limit"], settings.get("compression"),
+                         settings["hashes"])
+    for chunk in np.array_split(samples, [0, 7, 150, 151]):  # arbitrary write sizes
+        writer.write(chunk)
+    writer.finish()
+
+    stock = sorted(p.name for p in (tmp_path / "stock").iterdir())
+    assert stock == sorted(p.name for p in (tmp_path / "ours").iterdir())
+    assert len(stock) > 2 or settings["size_limit"] == 1 << 26
+    for name in stock:
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "stock" / name).read_bytes(), name
+
+
+def test_shard_samples_reads_back_what_was_written(tmp_path):
+    meta = metadata(block_size=16)
+    samples = np.arange(17 * 10, dtype=np.uint16).reshape(10, 17)
+    writer = ShardWriter(tmp_path, meta, "64mb")
+    writer.write(samples)
+    writer.finish()
+    np.testing.assert_array_equal(shard_samples((tmp_path / "shard.00000.mds").read_bytes(), np.uint16, 17), samples)
