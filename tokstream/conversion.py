@@ -1,8 +1,10 @@
 """Text documents to a block-aligned MDS dataset: the core every text converter calls."""
 
+import dataclasses
 import itertools
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,9 +76,13 @@ class _SplitOutput:
         return stats
 
 
-def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str,
-                      options: ConversionOptions) -> DatasetMetadata:
-    """Tokenize, split, pack and write; `out` appears only once everything is written."""
+def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str, options: ConversionOptions,
+                      documents: Iterable[str] | None = None, reports: tuple = ()) -> DatasetMetadata:
+    """Tokenize, split, pack and write; `out` appears only once everything is written.
+
+    `documents` replaces iterating the source directly (a cleaning stage, say); each dataclass in
+    `reports` is recorded in the metadata's `extra` once the input is consumed.
+    """
     options.validate()
     metadata = DatasetMetadata(
         tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size, eot_id=tokenizer.eot_id,
@@ -87,7 +93,7 @@ def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str,
     split_names = SPLITS if options.val_fraction > 0 else ("train",)
     with staged_output(out, options.overwrite) as staging:
         outputs = {name: _SplitOutput(name, staging / name, metadata, options) for name in split_names}
-        documents = itertools.islice(source, options.max_docs)
+        documents = itertools.islice(source if documents is None else documents, options.max_docs)
         batches = tokenize_documents(documents, tokenizer, options.seed, options.val_fraction,
                                      metadata.np_dtype, options.num_workers)
         started = time.monotonic()
@@ -106,6 +112,8 @@ def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str,
             raise UserError("the input holds no documents: nothing to convert")
         metadata.splits = {name: output.finish() for name, output in outputs.items()}
         metadata.extra = {"invalid_utf8_documents_replaced": source.stats.invalid_utf8_docs}
+        for report in reports:
+            metadata.extra.update(dataclasses.asdict(report))
         write_metadata(staging, metadata)
     return metadata
 
@@ -121,5 +129,8 @@ def summary(metadata: DatasetMetadata, out: str, seconds: float) -> str:
     replaced = metadata.extra.get("invalid_utf8_documents_replaced", 0)
     if replaced:
         lines.append(f"  {replaced} documents had invalid UTF-8 bytes, replaced with U+FFFD")
+    dropped = {k: v for k, v in metadata.extra.items() if k in ("empty", "duplicates") and v}
+    if dropped:
+        lines.append("  dropped documents: " + ", ".join(f"{v:,} {k}" for k, v in dropped.items()))
     lines.append(f"  {seconds:.1f} s, {tokens / max(seconds, 1e-9) / 1e6:.2f} M tokens/s")
     return "\n".join(lines)

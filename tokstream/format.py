@@ -220,7 +220,7 @@ class ShardWriter:
             "compression": self.compression,
             "format": "mds",
             "hashes": self.hashes,
-            "size_limit": _parse_size(shard_size),
+            "size_limit": parse_size(shard_size),
             "version": 2,
         }
         self.config_bytes = json.dumps(self.config, sort_keys=True).encode("utf-8")
@@ -275,7 +275,7 @@ class ShardWriter:
             json.dump({"shards": self.shards, "version": 2}, out, sort_keys=True)
 
 
-def _parse_size(size: str | int) -> int:
+def parse_size(size: str | int) -> int:
     """'64mb' -> bytes, with binary multiples as MDS reads them."""
     if isinstance(size, int):
         return size

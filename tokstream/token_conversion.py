@@ -1,0 +1,80 @@
+"""Token streams already on disk to a block-aligned MDS split: the core of bin_to_mds.py.
+
+The files are concatenated in the order given; the output stream equals the input stream, cut
+into samples exactly as text conversion cuts it. Memory stays at one chunk plus one shard.
+"""
+
+import os
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from tokstream.errors import UserError
+from tokstream.format import (METADATA_FILE, BlockPacker, DatasetMetadata, ShardWriter, SplitStats,
+                              read_metadata, token_dtype)
+from tokstream.staging import staged_output
+from tokstream.token_files import TokenFile, check_chunk
+
+CHUNK_TOKENS = 1 << 24  # 32 MB of uint16 per read
+
+
+def pack_token_files(files: list[TokenFile], directory: Path, metadata: DatasetMetadata, shard_size: str,
+                     compression: str | None, hashes: list[str], progress: bool) -> SplitStats:
+    """Write one split from the files' concatenated tokens into `directory`."""
+    packer = BlockPacker(metadata.block_size, metadata.np_dtype)
+    writer = ShardWriter(directory, metadata, shard_size, compression, hashes)
+    stats = SplitStats()
+    total = sum(len(f.tokens) for f in files)
+    with tqdm(total=total, unit="tok", unit_scale=True, desc="packing", disable=not progress, delay=2) as bar:
+        for token_file in files:
+            for start in range(0, len(token_file.tokens), CHUNK_TOKENS):
+                chunk = np.asarray(token_file.tokens[start : start + CHUNK_TOKENS])
+                check_chunk(chunk, metadata.vocab_size, token_file, start)
+                stats.documents += int(np.count_nonzero(chunk == metadata.eot_id))
+                writer.write(packer.add(chunk))
+                bar.update(len(chunk))
+    if packer.samples == 0:
+        raise UserError(f"{packer.tokens} tokens in all inputs: fewer than one sample of block_size + 1 = "
+                        f"{metadata.block_size + 1}")
+    writer.finish()
+    stats.tokens, stats.samples, stats.dropped_tokens = packer.tokens, packer.samples, packer.dropped_tokens
+    stats.shards = len(writer.shards)
+    stats.bytes = sum(p.stat().st_size for p in directory.iterdir())
+    return stats
+
+
+def convert_token_files(files: list[TokenFile], out: str, split: str, block_size: int, tokenizer_name: str,
+                        vocab_size: int, eot_id: int, shard_size: str = "64mb", compression: str | None = None,
+                        hashes: tuple[str, ...] = ("xxh64",), overwrite: bool = False,
+                        progress: bool = True) -> DatasetMetadata:
+    """Add (or replace) one split of dataset `out`, e.g. train from train.bin, then val from val.bin."""
+    if block_size < 1:
+        raise UserError(f"--block-size must be at least 1, got {block_size}")
+    if not files:
+        raise UserError("no input files")
+    root = Path(out)
+    metadata = DatasetMetadata(
+        tokenizer=tokenizer_name, vocab_size=vocab_size, eot_id=eot_id, block_size=block_size,
+        dtype=token_dtype(vocab_size).name,
+        source={"kind": "token-files",
+                "splits": {split: {"files": [str(f.path) for f in files], "formats": [f.format for f in files]}}},
+        split={"method": "given", "note": "split named on the command line; documents counted as eot tokens"},
+    )
+    if (root / METADATA_FILE).is_file():  # adding a split to an existing dataset: it must match
+        existing = read_metadata(root)
+        for key in ("tokenizer", "vocab_size", "block_size", "dtype"):
+            if getattr(existing, key) != getattr(metadata, key):
+                raise UserError(f"{out} holds {key}={getattr(existing, key)!r}, this conversion "
+                                f"{getattr(metadata, key)!r}: use another --out")
+        if existing.source.get("kind") != "token-files":
+            raise UserError(f"{out} was converted from {existing.source.get('kind')}, not token files: use another --out")
+        existing.source["splits"].update(metadata.source["splits"])
+        metadata.splits, metadata.source = existing.splits, existing.source
+    with staged_output(root / split, overwrite) as staging:
+        stats = pack_token_files(files, staging, metadata, shard_size, compression, list(hashes), progress)
+    metadata.splits[split] = stats
+    temporary = root / (METADATA_FILE + ".tmp")
+    temporary.write_text(metadata.to_json())
+    os.replace(temporary, root / METADATA_FILE)  # the split is visible to training only from here
+    return metadata
