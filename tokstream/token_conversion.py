@@ -4,6 +4,7 @@ The files are concatenated in the order given; the output stream equals the inpu
 into samples exactly as text conversion cuts it. Memory stays at one chunk plus one shard.
 """
 
+import mmap
 import os
 from pathlib import Path
 
@@ -17,6 +18,13 @@ from tokstream.staging import staged_output
 from tokstream.token_files import TokenFile, check_chunk
 
 CHUNK_TOKENS = 1 << 24  # 32 MB of uint16 per read
+
+
+def _release_pages(tokens: np.ndarray) -> None:
+    """Drop the mapped pages already read from this process's RSS (they stay in the page cache)."""
+    mapping = getattr(tokens, "_mmap", None)  # numpy.memmap keeps its mmap.mmap here
+    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def pack_token_files(files: list[TokenFile], directory: Path, metadata: DatasetMetadata, shard_size: str,
@@ -34,6 +42,7 @@ def pack_token_files(files: list[TokenFile], directory: Path, metadata: DatasetM
                 stats.documents += int(np.count_nonzero(chunk == metadata.eot_id))
                 writer.write(packer.add(chunk))
                 bar.update(len(chunk))
+                _release_pages(token_file.tokens)
     if packer.samples == 0:
         raise UserError(f"{packer.tokens} tokens in all inputs: fewer than one sample of block_size + 1 = "
                         f"{metadata.block_size + 1}")

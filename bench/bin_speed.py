@@ -1,0 +1,77 @@
+"""bin_to_mds.py throughput against `cp` of the same file on the same disk, in one run.
+
+    python bench/bin_speed.py                      # 512 M tokens (1 GiB) built from ../shared/corpora
+    python bench/bin_speed.py --tokens 1000 --workdir /scratch
+
+`cp` is the physical limit of a copy-and-reframe: read every byte once, write every byte once.
+Both write into the page cache without fsync; both are timed end to end as fresh processes.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def build_bin(path: Path, million_tokens: int) -> int:
+    """A nanoGPT-style uint16 .bin: the real corpora's GPT-2 tokens, repeated to the requested size."""
+    from tokstream.tokenizer import load_tokenizer
+
+    encoding = load_tokenizer("gpt2").encoding
+    corpora = ROOT.parent / "shared" / "corpora"
+    tokens = np.array([t for name in ("wikitext2_valid.txt", "tinyshakespeare.txt")
+                       for t in encoding.encode_ordinary((corpora / name).read_text()) + [encoding.eot_token]],
+                      dtype=np.uint16)
+    target = million_tokens * 1_000_000
+    with open(path, "wb") as out:
+        written = 0
+        while written < target:
+            piece = tokens[: target - written]
+            piece.tofile(out)
+            written += len(piece)
+    return target
+
+
+def timed(command: list[str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MB) of one fresh process tree."""
+    started = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(child.pid, 0)
+    if status:
+        raise SystemExit(f"{command[:3]} failed ({status})")
+    return time.perf_counter() - started, usage.ru_maxrss / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=512, help="millions of tokens in the .bin")
+    parser.add_argument("--workdir", default=None, help="directory on the disk to measure (default: temp)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        tmp = Path(tmp)
+        source = tmp / "train.bin"
+        tokens = build_bin(source, args.tokens)
+        timed(["cat", str(source)])  # same page-cache state for both: the file was just written
+        cp_s, cp_rss = timed(["cp", str(source), str(tmp / "copy.bin")])
+        (tmp / "copy.bin").unlink()
+        conv_s, conv_rss = timed([sys.executable, str(ROOT / "convert/bin_to_mds.py"), str(source), "--out",
+                                  str(tmp / "out"), "--no-progress"])
+    size = tokens * 2 / 1e6
+    print(f"input: {tokens / 1e6:.0f} M tokens, {size:.0f} MB nanoGPT .bin")
+    print(f"cp                 : {cp_s:6.2f} s  {tokens / cp_s / 1e6:7.1f} M tok/s  {size / cp_s:7.0f} MB/s  "
+          f"peak RSS {cp_rss:5.0f} MB")
+    print(f"bin_to_mds.py      : {conv_s:6.2f} s  {tokens / conv_s / 1e6:7.1f} M tok/s  {size / conv_s:7.0f} MB/s  "
+          f"peak RSS {conv_rss:5.0f} MB")
+    print(f"ratio_bin_to_mds_vs_cp={cp_s / conv_s:.2f}")
+
+
+if __name__ == "__main__":
+    main()
