@@ -6,16 +6,14 @@
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
-from tokstream.cli import add_text_arguments, conversion_options  # noqa: E402
-from tokstream.conversion import convert_documents, summary  # noqa: E402
+from tokstream.cleaning import Cleaning  # noqa: E402
+from tokstream.cli import add_parts_arguments, add_text_arguments, run_text_conversion  # noqa: E402
 from tokstream.errors import run_cli  # noqa: E402
-from tokstream.sources import TXT_DOC_MODES, open_source  # noqa: E402
-from tokstream.tokenizer import load_tokenizer  # noqa: E402
+from tokstream.sources import TXT_DOC_MODES  # noqa: E402
 
 DEFAULT_DATASET = "Skylion007/openwebtext"
 # Script-based hub datasets such as OpenWebText load in recent `datasets` only through the
@@ -32,16 +30,12 @@ def main() -> None:
     parser.add_argument("--txt-docs", choices=TXT_DOC_MODES, default="file",
                         help=".txt files: one document per file, line or blank-line paragraph")
     add_text_arguments(parser)
+    add_parts_arguments(parser)
     args = parser.parse_args()
 
-    started = time.monotonic()
-    options = conversion_options(args)
-    options.validate()
-    source = open_source(args.dataset, text_column=args.text_column, txt_docs=args.txt_docs,
-                         revision=args.revision)
-    tokenizer = load_tokenizer(args.encoding, args.ranks_file)
-    metadata = convert_documents(source, tokenizer, args.out, options)
-    print(summary(metadata, args.out, time.monotonic() - started))
+    source_kwargs = {"text_column": args.text_column, "txt_docs": args.txt_docs, "revision": args.revision}
+    # No cleaning: the token stream stays exactly nanoGPT's (an empty document is one end-of-text token).
+    print(run_text_conversion(args, args.dataset, source_kwargs, Cleaning()))
 
 
 if __name__ == "__main__":

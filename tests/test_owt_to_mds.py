@@ -13,9 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import ROOT, nanogpt_stream, run_script, shakespeare_paragraphs, write_jsonl
 
-from tokstream.conversion import ConversionOptions, convert_documents
+from tokstream.conversion import ConversionOptions
 from tokstream.format import read_metadata
-from tokstream.sources import open_source
 from tokstream.tokenize_docs import is_val_document
 
 
@@ -33,11 +32,15 @@ def expected_samples(stream: list[int], block_size: int) -> np.ndarray:
 
 
 def convert(inputs: list, out: Path, **options) -> None:
-    options.setdefault("progress", False)
-    source = open_source([str(i) for i in inputs], txt_docs=options.pop("txt_docs", "file"))
+    """What `owt_to_mds.py` does, in-process."""
+    from tokstream.cleaning import Cleaning
+    from tokstream.text_conversion import convert_text
     from tokstream.tokenizer import load_tokenizer
 
-    convert_documents(source, load_tokenizer("gpt2"), str(out), ConversionOptions(**options))
+    options.setdefault("progress", False)
+    source_kwargs = {"txt_docs": options.pop("txt_docs", "file"), "text_column": options.pop("text_column", "text")}
+    convert_text([str(i) for i in inputs], str(out), source_kwargs, Cleaning(), ConversionOptions(**options),
+                 load_tokenizer("gpt2"))
 
 
 @pytest.mark.parametrize("block_size", [64, 1024])
@@ -105,11 +108,7 @@ def test_txt_jsonl_parquet_and_folders_give_the_same_stream(tmp_path, articles):
 
     convert([folder], tmp_path / "from_txt", block_size=64, val_fraction=0)
     for name in ("docs.jsonl", "docs.parquet"):
-        source = open_source([str(tmp_path / name)], text_column="content")
-        from tokstream.tokenizer import load_tokenizer
-
-        convert_documents(source, load_tokenizer("gpt2"), str(tmp_path / f"out_{name}"),
-                          ConversionOptions(block_size=64, val_fraction=0, progress=False))
+        convert([tmp_path / name], tmp_path / f"out_{name}", block_size=64, val_fraction=0, text_column="content")
         np.testing.assert_array_equal(stock_samples(tmp_path / f"out_{name}", "train"),
                                       stock_samples(tmp_path / "from_txt", "train"))
 

@@ -66,21 +66,32 @@ def normalize(text: str, mode: str) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class Cleaning:
+    """What to do to documents before tokenizing; the default leaves them exactly as read."""
+
+    normalize: str = "none"
+    drop_empty: bool = False
+    dedup_memory: int | None = None  # bytes of the dedup table; None: no dedup
+
+    def describe(self) -> dict:
+        return {"normalize": self.normalize, "drop_empty": self.drop_empty, "dedup": bool(self.dedup_memory)}
+
+
 @dataclass
 class CleaningStats:
     empty: int = 0  # documents dropped for being empty (after normalisation)
     duplicates: int = 0  # documents dropped as exact repeats of an earlier one
 
 
-def clean_documents(documents: Iterable[str], mode: str, dedup_memory: int | None,
-                    stats: CleaningStats) -> Iterator[str]:
-    """Normalise, drop empty documents, and (with dedup_memory) drop exact repeats."""
-    if mode not in NORMALIZE_MODES:
-        raise UserError(f"--normalize must be one of {', '.join(NORMALIZE_MODES)}, not {mode!r}")
-    seen = FingerprintSet(dedup_memory) if dedup_memory else None
+def clean_documents(documents: Iterable[str], cleaning: Cleaning, stats: CleaningStats) -> Iterator[str]:
+    """Normalise, drop empty documents, and (with a dedup table) drop exact repeats."""
+    if cleaning.normalize not in NORMALIZE_MODES:
+        raise UserError(f"--normalize must be one of {', '.join(NORMALIZE_MODES)}, not {cleaning.normalize!r}")
+    seen = FingerprintSet(cleaning.dedup_memory) if cleaning.dedup_memory else None
     for text in documents:
-        text = normalize(text, mode)
-        if not text.strip():
+        text = normalize(text, cleaning.normalize)
+        if cleaning.drop_empty and not text.strip():
             stats.empty += 1
             continue
         if seen is not None and not seen.add(fingerprint(text)):

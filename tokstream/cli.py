@@ -2,8 +2,12 @@
 
 import argparse
 import os
+import time
 
-from tokstream.conversion import ConversionOptions
+from tokstream.cleaning import Cleaning
+from tokstream.conversion import ConversionOptions, summary
+from tokstream.text_conversion import convert_text
+from tokstream.tokenizer import load_tokenizer
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,3 +40,27 @@ def conversion_options(args: argparse.Namespace) -> ConversionOptions:
         hashes=tuple(h for h in args.hashes.split(",") if h), overwrite=args.overwrite,
         progress=not args.no_progress,
     )
+
+
+def add_parts_arguments(parser: argparse.ArgumentParser) -> None:
+    """Conversion in parts: over several machines, or resumable part by part on one."""
+    group = parser.add_argument_group("parts (local inputs; see tokstream/parts.py)")
+    group.add_argument("--num-parts", type=int, default=None,
+                       help="split the input files into N parts; alone: run every unfinished part, then merge")
+    group.add_argument("--part", default=None,
+                       help="run only part I (0-based) of --num-parts; 'auto' reads RANK or SLURM_PROCID")
+    group.add_argument("--merge", action="store_true", help="join the finished parts into --out")
+
+
+def run_text_conversion(args: argparse.Namespace, inputs: list[str], source_kwargs: dict,
+                        cleaning: Cleaning) -> str:
+    """The body of every text converter's main(): options from the command line, then the core."""
+    started = time.monotonic()
+    options = conversion_options(args)
+    tokenizer = load_tokenizer(args.encoding, args.ranks_file)
+    metadata = convert_text(inputs, args.out, source_kwargs, cleaning, options, tokenizer,
+                            num_parts=args.num_parts, part=args.part, merge=args.merge)
+    if metadata is None:
+        return (f"part {args.part} of {args.num_parts} done in {time.monotonic() - started:.1f} s; when every "
+                "part is done, run the same command with --merge instead of --part")
+    return summary(metadata, args.out, time.monotonic() - started)

@@ -4,7 +4,7 @@ import dataclasses
 import itertools
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from tokstream.format import (SPLITS, BlockPacker, DatasetMetadata, SplitStats, 
                               token_dtype, write_metadata)
 from tokstream.sources import DocumentSource
 from tokstream.staging import staged_output
-from tokstream.tokenize_docs import tokenize_documents
+from tokstream.tokenize_docs import TokenizedBatch, tokenize_documents
 from tokstream.tokenizer import Tokenizer
 
 
@@ -41,7 +41,7 @@ class ConversionOptions:
             raise UserError(f"--max-docs must be at least 1, got {self.max_docs}")
 
 
-class _SplitOutput:
+class SplitWriter:
     """Packs one split's token stream into samples and writes them, opening the writer lazily."""
 
     def __init__(self, name: str, directory: Path, metadata: DatasetMetadata, options: ConversionOptions):
@@ -76,6 +76,46 @@ class _SplitOutput:
         return stats
 
 
+def new_metadata(tokenizer: Tokenizer, options: ConversionOptions, description: dict) -> DatasetMetadata:
+    """The metadata of a text conversion, before any counts are known."""
+    return DatasetMetadata(
+        tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size, eot_id=tokenizer.eot_id,
+        block_size=options.block_size, dtype=token_dtype(tokenizer.vocab_size).name, source=description,
+        split={"method": "blake2b-of-text", "seed": options.seed, "val_fraction": options.val_fraction},
+    )
+
+
+def split_names(options: ConversionOptions) -> tuple[str, ...]:
+    return SPLITS if options.val_fraction > 0 else ("train",)
+
+
+def tokenized_batches(documents: Iterable[str], tokenizer: Tokenizer, options: ConversionOptions,
+                      dtype) -> Iterator[TokenizedBatch]:
+    """Tokenized batches in input order, behind a progress bar (docs/s, tokens/s)."""
+    documents = itertools.islice(documents, options.max_docs)
+    started = time.monotonic()
+    total_tokens = 0
+    with tqdm(unit=" docs", desc="tokenizing", disable=not options.progress, total=options.max_docs,
+              smoothing=0.1, delay=2) as bar:
+        for batch in tokenize_documents(documents, tokenizer, options.seed, options.val_fraction, dtype,
+                                        options.num_workers):
+            yield batch
+            total_tokens += len(batch.train) + len(batch.val)
+            bar.update(batch.train_docs + batch.val_docs)
+            bar.set_postfix_str(f"{total_tokens / max(time.monotonic() - started, 1e-9) / 1e6:.2f}M tok/s",
+                                refresh=False)
+
+
+def finish_dataset(staging: Path, metadata: DatasetMetadata, outputs: dict[str, "SplitWriter"],
+                   extra: dict) -> None:
+    """Close every split, then write the metadata: the record of a complete dataset comes last."""
+    if sum(o.stats.documents for o in outputs.values()) == 0:
+        raise UserError("the input holds no documents: nothing to convert")
+    metadata.splits = {name: output.finish() for name, output in outputs.items()}
+    metadata.extra = extra
+    write_metadata(staging, metadata)
+
+
 def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str, options: ConversionOptions,
                       documents: Iterable[str] | None = None, reports: tuple = ()) -> DatasetMetadata:
     """Tokenize, split, pack and write; `out` appears only once everything is written.
@@ -84,37 +124,18 @@ def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str, op
     `reports` is recorded in the metadata's `extra` once the input is consumed.
     """
     options.validate()
-    metadata = DatasetMetadata(
-        tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size, eot_id=tokenizer.eot_id,
-        block_size=options.block_size, dtype=token_dtype(tokenizer.vocab_size).name,
-        source=source.description,
-        split={"method": "blake2b-of-text", "seed": options.seed, "val_fraction": options.val_fraction},
-    )
-    split_names = SPLITS if options.val_fraction > 0 else ("train",)
+    metadata = new_metadata(tokenizer, options, source.description)
     with staged_output(out, options.overwrite) as staging:
-        outputs = {name: _SplitOutput(name, staging / name, metadata, options) for name in split_names}
-        documents = itertools.islice(source if documents is None else documents, options.max_docs)
-        batches = tokenize_documents(documents, tokenizer, options.seed, options.val_fraction,
-                                     metadata.np_dtype, options.num_workers)
-        started = time.monotonic()
-        total_tokens = 0
-        with tqdm(unit=" docs", desc="tokenizing", disable=not options.progress, total=options.max_docs,
-                  smoothing=0.1, delay=2) as bar:
-            for batch in batches:
-                outputs["train"].add(batch.train, batch.train_docs)
-                if batch.val_docs:
-                    outputs["val"].add(batch.val, batch.val_docs)
-                total_tokens += len(batch.train) + len(batch.val)
-                bar.update(batch.train_docs + batch.val_docs)
-                bar.set_postfix_str(f"{total_tokens / max(time.monotonic() - started, 1e-9) / 1e6:.2f}M tok/s",
-                                    refresh=False)
-        if sum(o.stats.documents for o in outputs.values()) == 0:
-            raise UserError("the input holds no documents: nothing to convert")
-        metadata.splits = {name: output.finish() for name, output in outputs.items()}
-        metadata.extra = {"invalid_utf8_documents_replaced": source.stats.invalid_utf8_docs}
+        outputs = {name: SplitWriter(name, staging / name, metadata, options) for name in split_names(options)}
+        for batch in tokenized_batches(source if documents is None else documents, tokenizer, options,
+                                       metadata.np_dtype):
+            outputs["train"].add(batch.train, batch.train_docs)
+            if batch.val_docs:
+                outputs["val"].add(batch.val, batch.val_docs)
+        extra = {"invalid_utf8_documents_replaced": source.stats.invalid_utf8_docs}
         for report in reports:
-            metadata.extra.update(dataclasses.asdict(report))
-        write_metadata(staging, metadata)
+            extra.update(dataclasses.asdict(report))
+        finish_dataset(staging, metadata, outputs, extra)
     return metadata
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tokstream.cleaning import fingerprint
 from tokstream.tokenizer import Tokenizer, load_tokenizer
 
 BATCH_CHARS = 1 << 20  # about 1 MB of text per task: large enough to amortise pickling
@@ -19,10 +20,20 @@ class TokenizedBatch:
     """One batch of documents, tokenized and assigned to splits, concatenated per split."""
 
     train: np.ndarray
-    train_docs: int
     val: np.ndarray
-    val_docs: int
+    train_lengths: np.ndarray  # tokens of each document, end-of-text included, in order
+    val_lengths: np.ndarray
+    train_prints: np.ndarray  # each document's 64-bit fingerprint (cleaning.fingerprint), in order
+    val_prints: np.ndarray
     chars: int
+
+    @property
+    def train_docs(self) -> int:
+        return len(self.train_lengths)
+
+    @property
+    def val_docs(self) -> int:
+        return len(self.val_lengths)
 
 
 def is_val_document(text: str, seed: int, val_fraction: float) -> bool:
@@ -49,15 +60,19 @@ def _tokenize_batch(texts: list[str]) -> TokenizedBatch:
     seed, val_fraction, dtype = _WORKER_STATE["seed"], _WORKER_STATE["val_fraction"], _WORKER_STATE["dtype"]
     encode, eot = tokenizer.encoding.encode_ordinary, tokenizer.eot_id
     ids: dict[bool, list[int]] = {False: [], True: []}
-    docs = {False: 0, True: 0}
+    lengths: dict[bool, list[int]] = {False: [], True: []}
+    prints: dict[bool, list[int]] = {False: [], True: []}
     for text in texts:
         to_val = is_val_document(text, seed, val_fraction)
-        ids[to_val].extend(encode(text))
-        ids[to_val].append(eot)  # nanoGPT appends <|endoftext|> after every document
-        docs[to_val] += 1
+        tokens = encode(text)
+        tokens.append(eot)  # nanoGPT appends <|endoftext|> after every document
+        ids[to_val].extend(tokens)
+        lengths[to_val].append(len(tokens))
+        prints[to_val].append(fingerprint(text))  # lets a later merge drop duplicates across parts
     return TokenizedBatch(
-        train=np.array(ids[False], dtype=dtype), train_docs=docs[False],
-        val=np.array(ids[True], dtype=dtype), val_docs=docs[True],
+        train=np.array(ids[False], dtype=dtype), val=np.array(ids[True], dtype=dtype),
+        train_lengths=np.array(lengths[False], dtype=np.int64), val_lengths=np.array(lengths[True], dtype=np.int64),
+        train_prints=np.array(prints[False], dtype=np.uint64), val_prints=np.array(prints[True], dtype=np.uint64),
         chars=sum(map(len, texts)),
     )
 

@@ -1,0 +1,152 @@
+"""Text conversion split into parts, for several machines or for resuming, then merged into one dataset.
+
+Tokenizing is the expensive step, so that is what the parts share. Part I of N takes a contiguous
+range of the input files (balanced by bytes) and writes, per split, its token stream and one
+(fingerprint, token count) record per document into `OUT.parts/part-0000I-of-0000N/`, under a
+temporary name renamed when complete. The merge reads the parts in order, drops documents already
+seen in an earlier part when dedup is on, and packs the concatenated stream exactly as a one-process
+conversion would: the merged dataset is byte-identical to a single-part run (tested). Packing is
+I/O-bound (see bench/bin_speed.py), so it runs on one machine over the shared filesystem.
+
+A part that was killed is redone from its start on the next run; complete parts are kept.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from tokstream.cleaning import Cleaning, CleaningStats, FingerprintSet, clean_documents
+from tokstream.conversion import (ConversionOptions, SplitWriter, finish_dataset, new_metadata, split_names,
+                                  tokenized_batches)
+from tokstream.errors import UserError
+from tokstream.format import DatasetMetadata, token_dtype
+from tokstream.sources import DocumentSource
+from tokstream.staging import staged_output
+from tokstream.tokenizer import Tokenizer
+
+DOC_RECORD = np.dtype([("fingerprint", "<u8"), ("tokens", "<i8")])
+CHUNK_TOKENS = 1 << 24
+
+
+def parts_root(out: str | os.PathLike) -> Path:
+    return Path(str(out).rstrip("/") + ".parts")
+
+
+def part_dir(out: str | os.PathLike, part: int, num_parts: int) -> Path:
+    return parts_root(out) / f"part-{part:05d}-of-{num_parts:05d}"
+
+
+def resolve_part(part: str | None, num_parts: int) -> int | None:
+    """`--part auto` reads the launcher's rank (torchrun RANK or Slurm SLURM_PROCID)."""
+    if part is None:
+        return None
+    if part == "auto":
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+        world = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS"))
+        if rank is None or world is None:
+            raise UserError("--part auto needs RANK/WORLD_SIZE (torchrun) or SLURM_PROCID/SLURM_NTASKS")
+        if int(world) != num_parts:
+            raise UserError(f"--num-parts {num_parts} but the launcher runs {world} tasks")
+        part = rank
+    index = int(part)
+    if not 0 <= index < num_parts:
+        raise UserError(f"--part must be in [0, {num_parts}), got {index}")
+    return index
+
+
+def assign_files(files: list[str], num_parts: int) -> list[list[str]]:
+    """Contiguous runs of files, cut where the running byte total crosses k/N of the whole."""
+    if num_parts < 1:
+        raise UserError(f"--num-parts must be at least 1, got {num_parts}")
+    if num_parts > len(files):
+        raise UserError(f"--num-parts {num_parts} exceeds the {len(files)} input files; parts are whole files")
+    sizes = np.cumsum([max(1, os.path.getsize(f)) for f in files])
+    bounds = [0]
+    for k in range(1, num_parts):
+        cut = int(np.searchsorted(sizes, sizes[-1] * k / num_parts)) + 1
+        cut = max(cut, bounds[-1] + 1)  # at least one file in the part before
+        cut = min(cut, len(files) - (num_parts - k))  # and one left for each part after
+        bounds.append(cut)
+    bounds.append(len(files))
+    return [files[bounds[i] : bounds[i + 1]] for i in range(num_parts)]
+
+def convert_part(source: DocumentSource, part: int, num_parts: int, out: str, tokenizer: Tokenizer,
+                 options: ConversionOptions, cleaning: Cleaning) -> bool:
+    """Tokenize one part's documents; return False if that part was already complete."""
+    directory = part_dir(out, part, num_parts)
+    if (directory / "part.json").is_file():
+        return False
+    stats = CleaningStats()
+    no_dedup = dataclasses.replace(cleaning, dedup_memory=None)  # dedup happens at the merge, over all parts
+    documents = clean_documents(source, no_dedup, stats)
+    names = split_names(options)
+    with staged_output(directory, overwrite=True) as staging:
+        tokens = {name: open(staging / f"{name}.tokens", "wb") for name in names}
+        records = {name: open(staging / f"{name}.docs", "wb") for name in names}
+        for batch in tokenized_batches(documents, tokenizer, options, token_dtype(tokenizer.vocab_size)):
+            for name, ids, lengths, prints in (("train", batch.train, batch.train_lengths, batch.train_prints),
+                                               ("val", batch.val, batch.val_lengths, batch.val_prints)):
+                if len(lengths):
+                    ids.tofile(tokens[name])
+                    record = np.empty(len(lengths), DOC_RECORD)
+                    record["fingerprint"], record["tokens"] = prints, lengths
+                    record.tofile(records[name])
+        for handle in [*tokens.values(), *records.values()]:
+            handle.close()
+        report = {"invalid_utf8_documents_replaced": source.stats.invalid_utf8_docs, "empty": stats.empty}
+        (staging / "part.json").write_text(json.dumps(report, sort_keys=True))
+    return True
+
+
+def merge_parts(out: str, num_parts: int, description: dict, tokenizer: Tokenizer, options: ConversionOptions,
+                cleaning: Cleaning) -> DatasetMetadata:
+    """Join complete parts into the dataset `out`; the parts folder is removed afterwards."""
+    directories = [part_dir(out, i, num_parts) for i in range(num_parts)]
+    missing = [str(i) for i, d in enumerate(directories) if not (d / "part.json").is_file()]
+    if missing:
+        raise UserError(f"parts {', '.join(missing)} of {num_parts} are not finished: run them "
+                        f"(--part I --num-parts {num_parts}) before --merge")
+    metadata = new_metadata(tokenizer, options, description)
+    seen = FingerprintSet(cleaning.dedup_memory) if cleaning.dedup_memory else None
+    duplicates = 0
+    extra = {"invalid_utf8_documents_replaced": 0, "empty": 0, "duplicates": 0}
+    for directory in directories:
+        for key, value in json.loads((directory / "part.json").read_text()).items():
+            extra[key] += value
+    with staged_output(out, options.overwrite) as staging:
+        outputs = {name: SplitWriter(name, staging / name, metadata, options) for name in split_names(options)}
+        # Split by content hash, so a repeat lands in its first occurrence's split: one set serves both.
+        for directory in directories:
+            for name, output in outputs.items():
+                duplicates += _merge_split(directory, name, output, metadata, seen)
+        extra["duplicates"] = duplicates
+        finish_dataset(staging, metadata, outputs, extra)
+    shutil.rmtree(parts_root(out), ignore_errors=True)
+    return metadata
+
+
+def _merge_split(directory: Path, name: str, output: SplitWriter, metadata: DatasetMetadata,
+                 seen: FingerprintSet | None) -> int:
+    """Append one part's split to the output; return how many documents were dropped as repeats."""
+    records = np.fromfile(directory / f"{name}.docs", dtype=DOC_RECORD)
+    if not len(records):
+        return 0
+    tokens = np.memmap(directory / f"{name}.tokens", dtype=metadata.np_dtype, mode="r")
+    keep = np.ones(len(records), dtype=bool)
+    if seen is not None:
+        keep = np.fromiter((seen.add(int(p)) for p in records["fingerprint"]), dtype=bool, count=len(records))
+    ends = np.cumsum(records["tokens"])
+    starts = ends - records["tokens"]
+    # Feed contiguous runs of kept documents, in chunks, so memory stays at one chunk.
+    edges = np.flatnonzero(np.diff(np.concatenate([[False], keep, [False]]).astype(np.int8)))
+    for first, last in zip(edges[::2], edges[1::2]):
+        run_start, run_end = int(starts[first]), int(ends[last - 1])
+        for chunk_start in range(run_start, run_end, CHUNK_TOKENS):
+            chunk = np.asarray(tokens[chunk_start : min(run_end, chunk_start + CHUNK_TOKENS)])
+            output.add(chunk, 0)
+        output.stats.documents += int(last - first)
+    return int(len(records) - keep.sum())

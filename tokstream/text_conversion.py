@@ -1,0 +1,48 @@
+"""Text conversion as a whole: in one go, or part by part (tokstream/parts.py) and merged."""
+
+from pathlib import Path
+
+from tokstream.cleaning import Cleaning, CleaningStats, clean_documents
+from tokstream.conversion import ConversionOptions, convert_documents
+from tokstream.errors import UserError
+from tokstream.format import DatasetMetadata
+from tokstream.parts import assign_files, convert_part, merge_parts, resolve_part
+from tokstream.sources import open_source
+from tokstream.tokenizer import Tokenizer
+
+
+def convert_text(inputs: list[str], out: str, source_kwargs: dict, cleaning: Cleaning, options: ConversionOptions,
+                 tokenizer: Tokenizer, num_parts: int | None = None, part: str | None = None,
+                 merge: bool = False) -> DatasetMetadata | None:
+    """Convert `inputs` into dataset `out`; returns None when only one part (of several) was run.
+
+    Without num_parts: one pass. With num_parts: `part` runs that part only; `merge` joins finished
+    parts; neither runs every unfinished part and then merges, so a killed run resumes by part.
+    """
+    options.validate()
+    source = open_source(inputs, **source_kwargs)
+    source.description.update(cleaning.describe())
+    if num_parts is None:
+        if part is not None or merge:
+            raise UserError("--part and --merge need --num-parts")
+        stats = CleaningStats()
+        documents = clean_documents(source, cleaning, stats)
+        return convert_documents(source, tokenizer, out, options, documents=documents, reports=(stats,))
+
+    if source.description["kind"] != "local":
+        raise UserError("--num-parts needs local input files (a hub dataset streams as one part)")
+    if options.max_docs is not None:
+        raise UserError("--max-docs cannot be combined with --num-parts")
+    if Path(out).exists() and not options.overwrite:
+        raise UserError(f"output {out} already exists: pass --overwrite to replace it, or choose another --out")
+    assignment = assign_files(source.description["files"], num_parts)
+    index = resolve_part(part, num_parts)
+    todo = [] if merge else [index] if index is not None else list(range(num_parts))
+    for number in todo:
+        part_source = open_source(assignment[number], **source_kwargs)
+        written = convert_part(part_source, number, num_parts, out, tokenizer, options, cleaning)
+        if options.progress:
+            print(f"part {number} of {num_parts}: {'written' if written else 'already complete, kept'}")
+    if index is not None:
+        return None
+    return merge_parts(out, num_parts, source.description, tokenizer, options, cleaning)
