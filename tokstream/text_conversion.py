@@ -41,8 +41,7 @@ def convert_text(inputs: list[str], out: str, source_kwargs: dict, cleaning: Cle
     for number in todo:
         part_source = open_source(assignment[number], **source_kwargs)
         written = convert_part(part_source, number, num_parts, out, tokenizer, options, cleaning)
-        if options.progress:
-            print(f"part {number} of {num_parts}: {'written' if written else 'already complete, kept'}")
+        print(f"part {number} of {num_parts}: {'written' if written else 'already complete, kept'}")
     if index is not None:
         return None
     return merge_parts(out, num_parts, source.description, tokenizer, options, cleaning)

@@ -1,0 +1,110 @@
+"""convert/bin_to_mds.py: nanoGPT .bin, llm.c shards and .npy built from real tokens, read back exactly."""
+
+import numpy as np
+import pytest
+from conftest import nanogpt_stream, run_script, shakespeare_paragraphs, wikitext_articles
+
+from tokstream.format import read_metadata
+from tokstream.verify import iter_split_samples
+
+
+@pytest.fixture(scope="module")
+def stream(gpt2) -> np.ndarray:
+    """GPT-2 tokens of the real corpora, nanoGPT-style (end-of-text after each document)."""
+    return np.array(nanogpt_stream(gpt2.encoding, wikitext_articles() + shakespeare_paragraphs()), dtype=np.int64)
+
+
+def write_llmc(path, tokens: np.ndarray, magic: int = 20240520, version: int = 1, dtype=np.uint16, count=None):
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = magic, version, len(tokens) if count is None else count
+    with open(path, "wb") as out:
+        out.write(header.tobytes())
+        out.write(tokens.astype(dtype).tobytes())
+    return path
+
+
+def samples_of(root, split="train") -> np.ndarray:
+    problems: list[str] = []
+    arrays = list(iter_split_samples(root, split, problems))
+    assert not problems
+    return np.concatenate(arrays)
+
+
+def expected(stream: np.ndarray, block: int) -> np.ndarray:
+    count = (len(stream) - 1) // block
+    return np.stack([stream[k * block : k * block + block + 1] for k in range(count)])
+
+
+def test_every_format_gives_the_input_stream(tmp_path, stream):
+    """nanoGPT .bin pieces + an llm.c shard + an .npy, concatenated in the order given."""
+    a, b, c = np.array_split(stream, [300_000, 500_000])
+    a.astype("<u2").tofile(tmp_path / "train.bin")
+    write_llmc(tmp_path / "fineweb_train_000001.bin", b)
+    np.save(tmp_path / "owt_train_tokens.npy", c.astype(np.int32))
+    done = run_script("convert/bin_to_mds.py", tmp_path / "train.bin", tmp_path / "fineweb_train_000001.bin",
+                      tmp_path / "owt_train_tokens.npy", "--out", tmp_path / "out", "--block-size", "512",
+                      "--shard-size", "256kb", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    np.testing.assert_array_equal(samples_of(tmp_path / "out"), expected(stream, 512))
+    meta = read_metadata(tmp_path / "out")
+    assert meta.source["splits"]["train"]["formats"] == ["nanogpt", "llmc", "npy"]
+    assert meta.splits["train"].tokens == len(stream)
+
+    # A second split joins the same dataset; stock StreamingDataset reads both.
+    stream[:20_000].astype("<u2").tofile(tmp_path / "val.bin")
+    done = run_script("convert/bin_to_mds.py", tmp_path / "val.bin", "--out", tmp_path / "out", "--split", "val",
+                      "--block-size", "512")
+    assert done.returncode == 0, done.stderr
+    assert set(read_metadata(tmp_path / "out").splits) == {"train", "val"}
+    from streaming import StreamingDataset
+
+    val = StreamingDataset(local=str(tmp_path / "out"), split="val", shuffle=False, batch_size=1)
+    np.testing.assert_array_equal(np.stack([val[i]["tokens"] for i in range(len(val))]),
+                                  expected(stream[:20_000], 512))
+    assert run_script("convert/verify.py", tmp_path / "out").returncode == 0
+
+
+def test_llama3_shards_keep_uint32(tmp_path, stream):
+    tokens = stream[:50_000] + 70_000  # ids beyond uint16, as Llama-3's 128,256-token vocabulary has
+    write_llmc(tmp_path / "llama.bin", tokens, magic=20240801, version=7, dtype=np.uint32)
+    from tokstream.token_conversion import convert_token_files
+    from tokstream.token_files import open_token_file
+
+    convert_token_files([open_token_file(tmp_path / "llama.bin")], str(tmp_path / "out"), "train", 256,
+                        "llama3", 128256, 128001, progress=False)
+    assert read_metadata(tmp_path / "out").dtype == "uint32"
+    np.testing.assert_array_equal(samples_of(tmp_path / "out"), expected(tokens, 256))
+
+
+def test_glob_expands_in_sorted_order(tmp_path, stream):
+    pieces = np.array_split(stream[:100_000], 3)
+    for i, piece in enumerate(pieces):
+        write_llmc(tmp_path / f"edu_fineweb_train_{i:06d}.bin", piece)
+    done = run_script("convert/bin_to_mds.py", str(tmp_path / "edu_fineweb_train_*.bin"), "--out",
+                      tmp_path / "out", "--block-size", "128")
+    assert done.returncode == 0, done.stderr
+    np.testing.assert_array_equal(samples_of(tmp_path / "out"), expected(stream[:100_000], 128))
+
+
+BAD_FILES = [
+    ("odd length", lambda p, s: p.write_bytes(b"\x01\x02\x03"), "train.bin", "is odd"),
+    ("wrong magic", lambda p, s: write_llmc(p, s[:100], magic=20240520, version=3), "x.bin", "version 3 at offset 4"),
+    ("header count", lambda p, s: write_llmc(p, s[:100], count=99), "x.bin", "header (offset 8) says 99 tokens"),
+    ("id >= vocab", lambda p, s: np.array([1, 2, 50257, 3], "<u2").tofile(p), "train.bin",
+     "token id 50257 at token 2 is outside the vocabulary"),
+    ("negative npy", lambda p, s: np.save(p, np.array([5, 6, -1, 7], np.int64)), "t.npy", "negative token id -1 at token 2"),
+    ("2-d npy", lambda p, s: np.save(p, np.zeros((2, 2), np.int32)), "t.npy", "expected a 1-D integer array"),
+    ("missing", None, "nope.bin", "does not exist"),
+]
+
+
+@pytest.mark.parametrize("name,make,filename,message", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_bad_token_files_get_one_line_naming_file_and_offset(tmp_path, stream, name, make, filename, message):
+    path = tmp_path / filename
+    if make:
+        make(path, stream)
+    done = run_script("convert/bin_to_mds.py", path, "--out", tmp_path / "out", "--block-size", "2")
+    assert done.returncode == 2
+    assert message in done.stderr and (make is None or str(path) in done.stderr)
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "out" / "train").exists()
