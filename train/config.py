@@ -92,8 +92,11 @@ def _apply(target: object, key: str, value: object, where: str) -> None:
         raise UserError(f"{where}: {head} is not a section, cannot set {key!r}")
     if isinstance(current, bool) and not isinstance(value, bool):
         raise UserError(f"{where}: {key} must be true or false, got {value!r}")
-    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+    if isinstance(current, float) and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            value = float(value)  # YAML reads 1e-3 (no dot) as a string
+        except ValueError:
+            pass
     if current is not None and value is not None and not isinstance(value, type(current)):
         raise UserError(f"{where}: {key} must be {type(current).__name__}, got {value!r}")
     setattr(target, head, value)
