@@ -95,11 +95,28 @@ def test_uninterrupted_run_partitions_every_global_batch(reference, dataset):
     assert reference[-1][2] < reference[0][2]  # it learns
 
 
-def test_sigterm_at_a_random_step_then_relaunch_resumes_exactly(reference, dataset, tmp_path):
+def worker_pids(launcher_pid: int) -> list[int]:
+    """The rank processes torchrun started (its direct children), oldest first."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == launcher_pid:
+            children.append(int(stat.parent.name))
+    return sorted(children)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to torchrun", "SIGUSR1 to one rank"])
+def test_preempted_at_a_random_step_then_relaunch_resumes_exactly(reference, dataset, tmp_path, how):
     stop_after = random.Random().randint(2, STEPS - 3)
     process = launch(2, dataset, tmp_path)
     wait_for(lambda: len(metrics(tmp_path)) >= stop_after)
-    process.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to every rank
+    if how == "SIGTERM to torchrun":
+        process.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank
+    else:
+        os.kill(worker_pids(process.pid)[-1], signal.SIGUSR1)  # e.g. Slurm --signal; the other rank follows
     output, _ = process.communicate(timeout=120)
     assert "preempted" in output, output[-3000:]
     stopped = len(metrics(tmp_path))
