@@ -137,6 +137,7 @@ class BlockPacker:
         self.block_size = block_size
         self.dtype = np.dtype(dtype)
         self.pending = np.empty(0, dtype=self.dtype)
+        self._buffer = np.empty(0, dtype=self.dtype)
         self.tokens = 0
         self.samples = 0
 
@@ -146,16 +147,21 @@ class BlockPacker:
         The view is only valid until the next call: write it before adding more.
         """
         self.tokens += len(tokens)
-        stream = np.concatenate([self.pending, tokens.astype(self.dtype, copy=False)])
-        count = max(0, (len(stream) - 1) // self.block_size)
+        size = len(self.pending) + len(tokens)
+        if len(self._buffer) < size:  # grow rarely: fresh memory costs a page fault per 4 KB
+            self._buffer = np.empty(max(size, 2 * len(self._buffer)), dtype=self.dtype)
+        stream = self._buffer[:size]
+        stream[: len(self.pending)] = self.pending
+        stream[len(self.pending) :] = tokens
+        count = max(0, (size - 1) // self.block_size)
         if count:
             windows = np.lib.stride_tricks.sliding_window_view(stream, self.block_size + 1)
             samples = windows[: count * self.block_size : self.block_size]
         else:
             samples = np.empty((0, self.block_size + 1), dtype=self.dtype)
         self.samples += count
-        # The last token of a sample is the first of the next one.
-        self.pending = stream[count * self.block_size :]
+        # The last token of a sample is the first of the next one; copied out, as the buffer is reused.
+        self.pending = stream[count * self.block_size :].copy()
         return samples
 
     @property
@@ -185,13 +191,18 @@ def shard_samples(data: bytes | np.ndarray, dtype: np.dtype, length: int) -> np.
 
 
 # How MDS (streaming's format, version 2) names shard hashes; the same digests streaming computes.
-def file_hash(algo: str, data: bytes) -> str:
+def _hasher(algo: str):
     import xxhash
 
-    if algo.startswith("xxh"):
-        return getattr(xxhash, algo)(data).hexdigest()
-    return hashlib.new(algo, data).hexdigest()
+    return getattr(xxhash, algo)() if algo.startswith("xxh") else hashlib.new(algo)
 
+
+def file_hash(algo: str, *pieces: bytes | memoryview) -> str:
+    """The digest MDS records for a file whose bytes are the concatenation of `pieces`."""
+    hasher = _hasher(algo)
+    for piece in pieces:
+        hasher.update(piece)
+    return hasher.hexdigest()
 
 class ShardWriter:
     """Writes one split's samples as MDS shards plus index.json, whole arrays at a time.
@@ -228,7 +239,10 @@ class ShardWriter:
         self.samples_per_shard = room // (self.sample_bytes + self.MDS_EXTRA_BYTES_PER_SAMPLE)
         if self.samples_per_shard < 1:
             raise UserError(f"shard size {shard_size} is smaller than one sample ({self.sample_bytes} bytes)")
-        self.pending: list[np.ndarray] = []
+        if self.compression and self.compression.partition(":")[0] != "zstd":
+            raise UserError(f"compression {self.compression!r} is not supported; use zstd or zstd:LEVEL")
+        # One shard's samples, reused shard after shard: each token is copied once on its way to disk.
+        self.body = np.empty((self.samples_per_shard, self.length), dtype=self.dtype)
         self.pending_count = 0
         self.shards: list[dict] = []
 
@@ -236,7 +250,7 @@ class ShardWriter:
         """Append a (count, block_size + 1) array of samples; full shards go to disk at once."""
         while len(samples):
             take = min(len(samples), self.samples_per_shard - self.pending_count)
-            self.pending.append(np.ascontiguousarray(samples[:take], dtype=self.dtype))
+            self.body[self.pending_count : self.pending_count + take] = samples[:take]
             self.pending_count += take
             samples = samples[take:]
             if self.pending_count == self.samples_per_shard:
@@ -244,28 +258,29 @@ class ShardWriter:
 
     def _flush(self) -> None:
         count = self.pending_count
-        header = 4 + 4 * (count + 1) + len(self.config_bytes)
-        offsets = header + np.arange(count + 1, dtype=np.uint64) * self.sample_bytes
-        raw = b"".join([np.uint32(count).tobytes(), offsets.astype(np.uint32).tobytes(), self.config_bytes,
-                        *(chunk.tobytes() for chunk in self.pending)])
+        header_bytes = 4 + 4 * (count + 1) + len(self.config_bytes)
+        offsets = header_bytes + np.arange(count + 1, dtype=np.uint64) * self.sample_bytes
+        header = np.uint32(count).tobytes() + offsets.astype(np.uint32).tobytes() + self.config_bytes
+        body = memoryview(self.body[:count]).cast("B")
         basename = f"shard.{len(self.shards):05}.mds"
-        shard = {"samples": count, "raw_data": self._file_info(raw, basename), "zip_data": None}
-        data = raw
+        shard = {"samples": count, "raw_data": self._file_info(basename, header, body), "zip_data": None}
+        pieces = (header, body)
         if self.compression:
             import zstd
 
-            algo, _, level = self.compression.partition(":")
-            if algo != "zstd":
-                raise UserError(f"compression {self.compression!r} is not supported; use zstd or zstd:LEVEL")
-            data = zstd.compress(raw, int(level or 3))  # what streaming's Zstandard does
-            shard["zip_data"] = self._file_info(data, f"{basename}.zstd")
-        (self.directory / (shard["zip_data"] or shard["raw_data"])["basename"]).write_bytes(data)
+            level = self.compression.partition(":")[2]
+            pieces = (zstd.compress(header + bytes(body), int(level or 3)),)  # as streaming's Zstandard does
+            shard["zip_data"] = self._file_info(f"{basename}.zstd", *pieces)
+        with open(self.directory / (shard["zip_data"] or shard["raw_data"])["basename"], "wb") as out:
+            for piece in pieces:
+                out.write(piece)
         shard.update(self.config)
         self.shards.append(shard)
-        self.pending, self.pending_count = [], 0
+        self.pending_count = 0
 
-    def _file_info(self, data: bytes, basename: str) -> dict:
-        return {"basename": basename, "bytes": len(data), "hashes": {a: file_hash(a, data) for a in self.hashes}}
+    def _file_info(self, basename: str, *pieces: bytes | memoryview) -> dict:
+        return {"basename": basename, "bytes": sum(len(p) for p in pieces),
+                "hashes": {a: file_hash(a, *pieces) for a in self.hashes}}
 
     def finish(self) -> None:
         """Write the last shard and then the index: a split without index.json is unfinished."""
