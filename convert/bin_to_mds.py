@@ -1,7 +1,7 @@
 """Existing token files -> block-aligned MDS shards: nanoGPT .bin, llm.c/modded-nanogpt shards, .npy arrays.
 
-    python convert/bin_to_mds.py data/openwebtext/train.bin --out data/owt --split train
-    python convert/bin_to_mds.py data/openwebtext/val.bin --out data/owt --split val
+    python convert/bin_to_mds.py data/openwebtext/train.bin --val data/openwebtext/val.bin --out data/owt
+    python convert/bin_to_mds.py more_val.bin --out data/owt-b --split val    # add a split to a local dataset
     python convert/bin_to_mds.py 'fineweb10B/fineweb_train_*.bin' --out data/fineweb --split train
     python convert/bin_to_mds.py owt_train_tokens.npy --out data/owt-npy
 
@@ -37,19 +37,25 @@ def expand(patterns: list[str]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", help="token files or quoted globs, concatenated in this order")
-    parser.add_argument("--split", default="train", help="split to write (default train)")
+    parser.add_argument("--split", default="train", help="split the inputs go to (default train)")
+    parser.add_argument("--val", nargs="+", default=None, metavar="FILE",
+                        help="token files for the val split, written in the same run")
     parser.add_argument("--format", choices=FORMATS, default="auto", help="input format (default: detect)")
     add_output_arguments(parser)
     args = parser.parse_args()
 
     started = time.monotonic()
-    files = [open_token_file(path, args.format) for path in expand(args.inputs)]
+    files = {args.split: [open_token_file(path, args.format) for path in expand(args.inputs)]}
+    if args.val:
+        if args.split == "val":
+            raise UserError("--val with --split val: name the other split with --split")
+        files["val"] = [open_token_file(path, args.format) for path in expand(args.val)]
     tokenizer = load_tokenizer(args.encoding, args.ranks_file)
     metadata = convert_token_files(
-        files, args.out, args.split, args.block_size, tokenizer.name, tokenizer.vocab_size, tokenizer.eot_id,
+        files, args.out, args.block_size, tokenizer.name, tokenizer.vocab_size, tokenizer.eot_id,
         shard_size=args.shard_size, compression=args.compression,
         hashes=tuple(h for h in args.hashes.split(",") if h), overwrite=args.overwrite,
-        progress=not args.no_progress,
+        progress=not args.no_progress, staging_dir=args.staging,
     )
     print(summary(metadata, args.out, time.monotonic() - started))
 

@@ -16,12 +16,12 @@ from tokstream.verify import read_sample, verify_dataset  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("root", help="dataset root written by a converter")
+    parser.add_argument("root", help="dataset root written by a converter: a local path or s3://bucket/prefix")
     parser.add_argument("--decode", type=int, metavar="K", help="print sample K as text")
     parser.add_argument("--split", default="train", help="split for --decode")
     parser.add_argument("--ranks-file", default=None, help="local ranks file for --decode (offline)")
     args = parser.parse_args()
-    if not Path(args.root).is_dir():
+    if not args.root.startswith("s3://") and not Path(args.root).is_dir():
         raise UserError(f"{args.root} is not a directory")
 
     report = verify_dataset(args.root)

@@ -70,7 +70,7 @@ def test_llama3_shards_keep_uint32(tmp_path, stream):
     from tokstream.token_conversion import convert_token_files
     from tokstream.token_files import open_token_file
 
-    convert_token_files([open_token_file(tmp_path / "llama.bin")], str(tmp_path / "out"), "train", 256,
+    convert_token_files({"train": [open_token_file(tmp_path / "llama.bin")]}, str(tmp_path / "out"), 256,
                         "llama3", 128256, 128001, progress=False)
     assert read_metadata(tmp_path / "out").dtype == "uint32"
     np.testing.assert_array_equal(samples_of(tmp_path / "out"), expected(tokens, 256))

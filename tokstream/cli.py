@@ -12,7 +12,8 @@ from tokstream.tokenizer import load_tokenizer
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of every converter: where and how samples are written."""
-    parser.add_argument("--out", required=True, help="output dataset root (gets SPLIT/ dirs and metadata.json)")
+    parser.add_argument("--out", required=True,
+                        help="output dataset root, a local path or s3://bucket/prefix (gets SPLIT/ and metadata.json)")
     parser.add_argument("--block-size", type=int, default=1024, help="tokens per block; samples hold block+1")
     parser.add_argument("--encoding", default="gpt2", help="tiktoken encoding (default gpt2)")
     parser.add_argument("--ranks-file", default=None, help="local GPT-2/r50k_base .tiktoken ranks file (offline)")
@@ -20,6 +21,8 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compression", default=None, help="MDS shard compression: zstd or zstd:LEVEL")
     parser.add_argument("--hashes", default="xxh64", help="comma-separated shard hashes ('' for none)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument("--staging", default=None,
+                        help="local scratch for s3:// outputs (a few shards; parts of multi-machine runs)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -38,7 +41,7 @@ def conversion_options(args: argparse.Namespace) -> ConversionOptions:
         num_workers=getattr(args, "num_workers", 1) or 1, max_docs=getattr(args, "max_docs", None),
         shard_size=args.shard_size, compression=args.compression,
         hashes=tuple(h for h in args.hashes.split(",") if h), overwrite=args.overwrite,
-        progress=not args.no_progress,
+        progress=not args.no_progress, staging_dir=args.staging,
     )
 
 

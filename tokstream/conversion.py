@@ -14,7 +14,7 @@ from tokstream.errors import UserError
 from tokstream.format import (SPLITS, BlockPacker, DatasetMetadata, SplitStats, ShardWriter,
                               token_dtype, write_metadata)
 from tokstream.sources import DocumentSource
-from tokstream.staging import staged_output
+from tokstream.staging import Staging, staged_output
 from tokstream.tokenize_docs import TokenizedBatch, tokenize_documents
 from tokstream.tokenizer import Tokenizer
 
@@ -31,6 +31,7 @@ class ConversionOptions:
     hashes: tuple[str, ...] = ("xxh64",)
     overwrite: bool = False
     progress: bool = True
+    staging_dir: str | None = None  # local scratch for S3 outputs (default: the system temp dir)
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -44,8 +45,10 @@ class ConversionOptions:
 class SplitWriter:
     """Packs one split's token stream into samples and writes them, opening the writer lazily."""
 
-    def __init__(self, name: str, directory: Path, metadata: DatasetMetadata, options: ConversionOptions):
+    def __init__(self, name: str, directory: Path, metadata: DatasetMetadata, options: ConversionOptions,
+                 on_file=None):
         self.name, self.directory, self.metadata, self.options = name, directory, metadata, options
+        self.on_file = on_file
         self.packer = BlockPacker(metadata.block_size, metadata.np_dtype)
         self.stats = SplitStats()
         self.writer = None
@@ -55,7 +58,7 @@ class SplitWriter:
         samples = self.packer.add(tokens)
         if len(samples) and self.writer is None:
             self.writer = ShardWriter(self.directory, self.metadata, self.options.shard_size,
-                                      self.options.compression, list(self.options.hashes))
+                                      self.options.compression, list(self.options.hashes), on_file=self.on_file)
         if len(samples):
             self.writer.write(samples)
 
@@ -72,7 +75,7 @@ class SplitWriter:
             )
         self.writer.finish()
         stats.shards = len(self.writer.shards)
-        stats.bytes = sum(p.stat().st_size for p in self.directory.iterdir())
+        stats.bytes = sum(s["bytes"] for s in (shard["zip_data"] or shard["raw_data"] for shard in self.writer.shards))
         return stats
 
 
@@ -106,14 +109,14 @@ def tokenized_batches(documents: Iterable[str], tokenizer: Tokenizer, options: C
                                 refresh=False)
 
 
-def finish_dataset(staging: Path, metadata: DatasetMetadata, outputs: dict[str, "SplitWriter"],
+def finish_dataset(staging: Staging, metadata: DatasetMetadata, outputs: dict[str, "SplitWriter"],
                    extra: dict) -> None:
     """Close every split, then write the metadata: the record of a complete dataset comes last."""
     if sum(o.stats.documents for o in outputs.values()) == 0:
         raise UserError("the input holds no documents: nothing to convert")
     metadata.splits = {name: output.finish() for name, output in outputs.items()}
     metadata.extra = extra
-    write_metadata(staging, metadata)
+    write_metadata(staging.path, metadata)
 
 
 def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str, options: ConversionOptions,
@@ -125,8 +128,9 @@ def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str, op
     """
     options.validate()
     metadata = new_metadata(tokenizer, options, source.description)
-    with staged_output(out, options.overwrite) as staging:
-        outputs = {name: SplitWriter(name, staging / name, metadata, options) for name in split_names(options)}
+    with staged_output(out, options.overwrite, options.staging_dir) as staging:
+        outputs = {name: SplitWriter(name, staging.path / name, metadata, options, staging.on_file)
+                   for name in split_names(options)}
         for batch in tokenized_batches(source if documents is None else documents, tokenizer, options,
                                        metadata.np_dtype):
             outputs["train"].add(batch.train, batch.train_docs)

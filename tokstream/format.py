@@ -216,8 +216,9 @@ class ShardWriter:
     MDS_EXTRA_BYTES_PER_SAMPLE = 4  # MDS counts one uint32 offset per sample towards the size limit
 
     def __init__(self, directory: str | os.PathLike, metadata: DatasetMetadata, shard_size: str | int,
-                 compression: str | None = None, hashes: list[str] = ()):
+                 compression: str | None = None, hashes: list[str] = (), on_file=None):
         self.directory = Path(directory)
+        self.on_file = on_file  # told of each finished shard file (an uploader, say)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.dtype = metadata.np_dtype
         self.length = metadata.sample_length
@@ -271,9 +272,12 @@ class ShardWriter:
             level = self.compression.partition(":")[2]
             pieces = (zstd.compress(header + bytes(body), int(level or 3)),)  # as streaming's Zstandard does
             shard["zip_data"] = self._file_info(f"{basename}.zstd", *pieces)
-        with open(self.directory / (shard["zip_data"] or shard["raw_data"])["basename"], "wb") as out:
+        path = self.directory / (shard["zip_data"] or shard["raw_data"])["basename"]
+        with open(path, "wb") as out:
             for piece in pieces:
                 out.write(piece)
+        if self.on_file is not None:
+            self.on_file(path)
         shard.update(self.config)
         self.shards.append(shard)
         self.pending_count = 0

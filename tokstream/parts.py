@@ -14,7 +14,9 @@ A part that was killed is redone from its start on the next run; complete parts 
 import dataclasses
 import json
 import os
+import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,7 @@ from tokstream.conversion import (ConversionOptions, SplitWriter, finish_dataset
                                   tokenized_batches)
 from tokstream.errors import UserError
 from tokstream.format import DatasetMetadata, token_dtype
+from tokstream.object_store import is_s3
 from tokstream.sources import DocumentSource
 from tokstream.staging import staged_output
 from tokstream.tokenizer import Tokenizer
@@ -32,12 +35,16 @@ DOC_RECORD = np.dtype([("fingerprint", "<u8"), ("tokens", "<i8")])
 CHUNK_TOKENS = 1 << 24
 
 
-def parts_root(out: str | os.PathLike) -> Path:
+def parts_root(out: str | os.PathLike, staging_dir: str | None = None) -> Path:
+    """OUT.parts beside a local output; for an S3 output, under --staging (shared by the machines)."""
+    if is_s3(out):
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(out).removeprefix("s3://").strip("/"))
+        return Path(staging_dir or tempfile.gettempdir()) / f"{name}.parts"
     return Path(str(out).rstrip("/") + ".parts")
 
 
-def part_dir(out: str | os.PathLike, part: int, num_parts: int) -> Path:
-    return parts_root(out) / f"part-{part:05d}-of-{num_parts:05d}"
+def part_dir(out: str | os.PathLike, part: int, num_parts: int, staging_dir: str | None = None) -> Path:
+    return parts_root(out, staging_dir) / f"part-{part:05d}-of-{num_parts:05d}"
 
 
 def resolve_part(part: str | None, num_parts: int) -> int | None:
@@ -77,7 +84,7 @@ def assign_files(files: list[str], num_parts: int) -> list[list[str]]:
 def convert_part(source: DocumentSource, part: int, num_parts: int, out: str, tokenizer: Tokenizer,
                  options: ConversionOptions, cleaning: Cleaning) -> bool:
     """Tokenize one part's documents; return False if that part was already complete."""
-    directory = part_dir(out, part, num_parts)
+    directory = part_dir(out, part, num_parts, options.staging_dir)
     if (directory / "part.json").is_file():
         return False
     stats = CleaningStats()
@@ -85,8 +92,8 @@ def convert_part(source: DocumentSource, part: int, num_parts: int, out: str, to
     documents = clean_documents(source, no_dedup, stats)
     names = split_names(options)
     with staged_output(directory, overwrite=True) as staging:
-        tokens = {name: open(staging / f"{name}.tokens", "wb") for name in names}
-        records = {name: open(staging / f"{name}.docs", "wb") for name in names}
+        tokens = {name: open(staging.path / f"{name}.tokens", "wb") for name in names}
+        records = {name: open(staging.path / f"{name}.docs", "wb") for name in names}
         for batch in tokenized_batches(documents, tokenizer, options, token_dtype(tokenizer.vocab_size)):
             for name, ids, lengths, prints in (("train", batch.train, batch.train_lengths, batch.train_prints),
                                                ("val", batch.val, batch.val_lengths, batch.val_prints)):
@@ -98,14 +105,14 @@ def convert_part(source: DocumentSource, part: int, num_parts: int, out: str, to
         for handle in [*tokens.values(), *records.values()]:
             handle.close()
         report = {"invalid_utf8_documents_replaced": source.stats.invalid_utf8_docs, "empty": stats.empty}
-        (staging / "part.json").write_text(json.dumps(report, sort_keys=True))
+        (staging.path / "part.json").write_text(json.dumps(report, sort_keys=True))
     return True
 
 
 def merge_parts(out: str, num_parts: int, description: dict, tokenizer: Tokenizer, options: ConversionOptions,
                 cleaning: Cleaning) -> DatasetMetadata:
     """Join complete parts into the dataset `out`; the parts folder is removed afterwards."""
-    directories = [part_dir(out, i, num_parts) for i in range(num_parts)]
+    directories = [part_dir(out, i, num_parts, options.staging_dir) for i in range(num_parts)]
     missing = [str(i) for i, d in enumerate(directories) if not (d / "part.json").is_file()]
     if missing:
         raise UserError(f"parts {', '.join(missing)} of {num_parts} are not finished: run them "
@@ -117,15 +124,16 @@ def merge_parts(out: str, num_parts: int, description: dict, tokenizer: Tokenize
     for directory in directories:
         for key, value in json.loads((directory / "part.json").read_text()).items():
             extra[key] += value
-    with staged_output(out, options.overwrite) as staging:
-        outputs = {name: SplitWriter(name, staging / name, metadata, options) for name in split_names(options)}
+    with staged_output(out, options.overwrite, options.staging_dir) as staging:
+        outputs = {name: SplitWriter(name, staging.path / name, metadata, options, staging.on_file)
+                   for name in split_names(options)}
         # Split by content hash, so a repeat lands in its first occurrence's split: one set serves both.
         for directory in directories:
             for name, output in outputs.items():
                 duplicates += _merge_split(directory, name, output, metadata, seen)
         extra["duplicates"] = duplicates
         finish_dataset(staging, metadata, outputs, extra)
-    shutil.rmtree(parts_root(out), ignore_errors=True)
+    shutil.rmtree(parts_root(out, options.staging_dir), ignore_errors=True)
     return metadata
 
 

@@ -6,6 +6,7 @@ from tokstream.cleaning import Cleaning, CleaningStats, clean_documents
 from tokstream.conversion import ConversionOptions, convert_documents
 from tokstream.errors import UserError
 from tokstream.format import DatasetMetadata
+from tokstream.object_store import is_s3
 from tokstream.parts import assign_files, convert_part, merge_parts, resolve_part
 from tokstream.sources import open_source
 from tokstream.tokenizer import Tokenizer
@@ -33,7 +34,7 @@ def convert_text(inputs: list[str], out: str, source_kwargs: dict, cleaning: Cle
         raise UserError("--num-parts needs local input files (a hub dataset streams as one part)")
     if options.max_docs is not None:
         raise UserError("--max-docs cannot be combined with --num-parts")
-    if Path(out).exists() and not options.overwrite:
+    if not is_s3(out) and Path(out).exists() and not options.overwrite:
         raise UserError(f"output {out} already exists: pass --overwrite to replace it, or choose another --out")
     assignment = assign_files(source.description["files"], num_parts)
     index = resolve_part(part, num_parts)

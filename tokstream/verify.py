@@ -1,6 +1,8 @@
 """Checking a dataset against its index, its hashes and this project's format rules."""
 
 import json
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -8,8 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from tokstream.errors import UserError
-from tokstream.format import (DatasetMetadata, column_encoding, decompress_shard, file_hash, read_metadata,
+from tokstream.format import (METADATA_FILE, DatasetMetadata, column_encoding, decompress_shard, file_hash,
                               shard_samples)
+from tokstream.object_store import S3Dataset, is_s3
 
 
 @dataclass
@@ -31,21 +34,54 @@ class VerifyReport:
         return not self.problems
 
 
-def _read_index(split_dir: Path) -> dict:
-    path = split_dir / "index.json"
-    if not path.is_file():
-        raise UserError(f"{path} is missing: the split was never finished")
-    return json.loads(path.read_text())
+class DatasetFiles:
+    """A dataset's files by relative path: local ones in place, S3 ones fetched one at a time."""
+
+    def __init__(self, root: str | Path):
+        self.root = str(root).rstrip("/")
+        self.store = S3Dataset(self.root) if is_s3(self.root) else None
+        self.scratch = Path(tempfile.mkdtemp(prefix="tokstream-verify-")) if self.store else None
+
+    def read(self, relative: str) -> bytes | None:
+        """The file's bytes, or None if it does not exist."""
+        if self.store is None:
+            path = Path(self.root, relative)
+            return path.read_bytes() if path.is_file() else None
+        if not self.store.exists(relative):
+            return None
+        path = self.store.download(relative, self.scratch / relative)
+        try:
+            return path.read_bytes()
+        finally:
+            path.unlink()  # S3 datasets are checked with one shard on local disk at a time
+
+    def metadata(self) -> DatasetMetadata:
+        text = self.read(METADATA_FILE)
+        if text is None:
+            raise UserError(f"{self.root} has no {METADATA_FILE}: not a dataset written by this project's "
+                            "converters, or its conversion has not finished")
+        return DatasetMetadata.from_json(text.decode(), where=f"{self.root}/{METADATA_FILE}")
+
+    def close(self) -> None:
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def _shard_bytes(split_dir: Path, shard: dict, problems: list[str]) -> bytes | None:
+def _read_index(files: DatasetFiles, split: str) -> dict:
+    data = files.read(f"{split}/index.json")
+    if data is None:
+        raise UserError(f"{files.root}/{split}/index.json is missing: the split was never finished")
+    return json.loads(data)
+
+
+def _shard_bytes(files: DatasetFiles, split: str, shard: dict, problems: list[str]) -> bytes | None:
     """The shard's decompressed bytes after checking size and hashes, or None if it is unusable."""
     stored = shard["zip_data"] or shard["raw_data"]
-    path = split_dir / stored["basename"]
-    if not path.is_file():
+    path = f"{files.root}/{split}/{stored['basename']}"
+    data = files.read(f"{split}/{stored['basename']}")
+    if data is None:
         problems.append(f"{path}: missing shard")
         return None
-    data = path.read_bytes()
     if len(data) != stored["bytes"]:
         problems.append(f"{path}: {len(data)} bytes, index says {stored['bytes']}")
         return None
@@ -58,17 +94,23 @@ def _shard_bytes(split_dir: Path, shard: dict, problems: list[str]) -> bytes | N
 
 def iter_split_samples(root: str | Path, split: str, problems: list[str]) -> Iterator[np.ndarray]:
     """Yield each shard's (samples, block_size + 1) token array in index order, recording problems."""
-    root = Path(root)
-    metadata = read_metadata(root)
-    split_dir = root / split
+    files = DatasetFiles(root)
+    try:
+        yield from _split_samples(files, split, problems)
+    finally:
+        files.close()
+
+
+def _split_samples(files: DatasetFiles, split: str, problems: list[str]) -> Iterator[np.ndarray]:
+    metadata = files.metadata()
     expected_encoding = column_encoding(metadata.np_dtype, metadata.block_size)
-    for shard in _read_index(split_dir)["shards"]:
+    for shard in _read_index(files, split)["shards"]:
         name = shard["raw_data"]["basename"]
         if shard["column_names"] != [metadata.column] or shard["column_encodings"] != [expected_encoding]:
             problems.append(f"{split}/{name}: columns {shard['column_names']} {shard['column_encodings']}, "
                             f"expected [{metadata.column!r}] [{expected_encoding!r}]")
             continue
-        data = _shard_bytes(split_dir, shard, problems)
+        data = _shard_bytes(files, split, shard, problems)
         if data is None:
             continue
         try:
@@ -83,7 +125,11 @@ def iter_split_samples(root: str | Path, split: str, problems: list[str]) -> Ite
 
 def verify_dataset(root: str | Path) -> VerifyReport:
     """Check every split; problems are collected, not raised, so one run lists them all."""
-    metadata = read_metadata(root)
+    files = DatasetFiles(root)
+    try:
+        metadata = files.metadata()
+    finally:
+        files.close()
     report = VerifyReport(metadata)
     problems = report.problems
     for split, stats in metadata.splits.items():

@@ -23,7 +23,9 @@ class DataConfig:
     num_canonical_nodes: int = 1
     num_workers: int = 1
     prefetch_factor: int | None = None
-    cache_limit: str | None = None
+    cache_limit: str | None = None  # bound on the local cache of a remote dataset, e.g. "10gb"
+    validate_hash: str | None = "xxh64"  # check each downloaded shard against the index
+    download_retry: int = 4
     clean_stale_shared_memory: bool = True
 
 

@@ -24,6 +24,7 @@ def is_remote(path: str) -> bool:
 
 
 def local_root(config: DataConfig) -> str:
+    """Where StreamingDataset keeps (or, for a local dataset, finds) the shards."""
     if is_remote(config.remote):
         if not config.local:
             raise UserError(f"data.remote={config.remote} is remote: set data.local to a local cache directory")
@@ -34,24 +35,42 @@ def local_root(config: DataConfig) -> str:
     return config.local or config.remote
 
 
-def fetch_metadata(config: DataConfig) -> DatasetMetadata:
-    """The dataset's metadata record, downloaded into the local cache first when remote."""
-    root = local_root(config)
-    if is_remote(config.remote):
-        from streaming.base.storage import download_file
+def fetch_index_files(config: DataConfig) -> Path:
+    """The directory holding metadata.json and each split's index.json, downloaded first if remote.
 
-        os.makedirs(root, exist_ok=True)
-        download_file(f"{config.remote.rstrip('/')}/{METADATA_FILE}", os.path.join(root, METADATA_FILE), 60)
-    return read_metadata(root)
+    Every rank downloads its own copy under a unique name and renames it into place, so ranks
+    sharing a node never read a half-written file.
+    """
+    if not is_remote(config.remote):
+        local_root(config)  # checks that it exists
+        return Path(config.remote)
+    if not config.remote.startswith("s3://"):
+        raise UserError(f"data.remote={config.remote}: only local paths and s3:// are supported")
+    from tokstream.object_store import S3Dataset
+
+    store = S3Dataset(config.remote)
+    root = Path(local_root(config))
+    if not store.exists(METADATA_FILE):
+        raise UserError(f"{config.remote} has no {METADATA_FILE}: not a converted dataset, or its conversion "
+                        "has not finished")
+    for relative in [METADATA_FILE] + [f"{s}/index.json" for s in (config.split, config.val_split)]:
+        if relative == METADATA_FILE or store.exists(relative):
+            target = root / relative
+            temporary = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            store.download(relative, temporary)
+            os.replace(temporary, target)
+    return root
+
+
+def fetch_metadata(config: DataConfig) -> DatasetMetadata:
+    return read_metadata(fetch_index_files(config))
 
 
 def dataset_identity(config: DataConfig, split: str) -> str:
     """Digest of the metadata and the split's index: a resumed run must see the very same samples."""
-    root = local_root(config)
+    root = fetch_index_files(config)
     digest = hashlib.sha256(Path(root, METADATA_FILE).read_bytes())
-    index = Path(root, split, "index.json")
-    if index.is_file():  # remote splits are indexed by StreamingDataset on first use
-        digest.update(index.read_bytes())
+    digest.update(Path(root, split, "index.json").read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -79,12 +98,14 @@ def _ignore_preemption_signals(worker_id: int) -> None:
 
 def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, pin_memory: bool,
                 num_workers: int | None = None) -> StreamingDataLoader:
-    remote = config.remote if is_remote(config.remote) else None
+    # A remote (or a local dataset with a separate local cache) is downloaded/copied by streaming.
+    remote = config.remote if is_remote(config.remote) or config.local else None
     dataset = TokenDataset(
         remote=remote, local=local_root(config), split=split, shuffle=shuffle,
         shuffle_seed=config.shuffle_seed, shuffle_algo=config.shuffle_algo,
         shuffle_block_size=config.shuffle_block_size, num_canonical_nodes=config.num_canonical_nodes,
         batch_size=batch_size, cache_limit=config.cache_limit,
+        validate_hash=config.validate_hash if remote else None, download_retry=config.download_retry,
     )
     workers = config.num_workers if num_workers is None else num_workers
     return StreamingDataLoader(

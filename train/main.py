@@ -143,8 +143,7 @@ def main() -> None:
                                     pin_memory=use_cuda)
     if saved is not None:
         train_loader.load_state_dict(saved["loader"])
-    has_val = (Path(data.local_root(config.data)) / config.data.val_split).exists() or \
-        config.data.val_split in metadata.splits
+    has_val = config.data.val_split in metadata.splits
     val_loader = data.make_loader(config.data, config.data.val_split, config.micro_batch_size, shuffle=False,
                                   pin_memory=use_cuda, num_workers=0) if has_val and config.eval_interval else None
 
