@@ -70,6 +70,8 @@ def _staged_s3(url: str, overwrite: bool, staging_dir: str | None) -> Iterator[S
         what = "a dataset" if "metadata.json" in existing else "objects of an interrupted conversion"
         raise UserError(f"{url} already holds {what}: pass --overwrite to replace it, or choose another --out")
     dataset.delete(existing)  # metadata.json among them: training stops seeing the old dataset first
+    if staging_dir:
+        Path(staging_dir).mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix="tokstream-upload-", dir=staging_dir))
     uploader = Uploader(dataset, staging)
     try:

@@ -100,13 +100,16 @@ def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, 
                 num_workers: int | None = None) -> StreamingDataLoader:
     # A remote (or a local dataset with a separate local cache) is downloaded/copied by streaming.
     remote = config.remote if is_remote(config.remote) or config.local else None
-    dataset = TokenDataset(
-        remote=remote, local=local_root(config), split=split, shuffle=shuffle,
-        shuffle_seed=config.shuffle_seed, shuffle_algo=config.shuffle_algo,
-        shuffle_block_size=config.shuffle_block_size, num_canonical_nodes=config.num_canonical_nodes,
-        batch_size=batch_size, cache_limit=config.cache_limit,
-        validate_hash=config.validate_hash if remote else None, download_retry=config.download_retry,
-    )
+    try:
+        dataset = TokenDataset(
+            remote=remote, local=local_root(config), split=split, shuffle=shuffle,
+            shuffle_seed=config.shuffle_seed, shuffle_algo=config.shuffle_algo,
+            shuffle_block_size=config.shuffle_block_size, num_canonical_nodes=config.num_canonical_nodes,
+            batch_size=batch_size, cache_limit=config.cache_limit,
+            validate_hash=config.validate_hash if remote else None, download_retry=config.download_retry,
+        )
+    except ValueError as err:  # streaming's word on a bad setting, e.g. a cache_limit below 4 shards
+        raise UserError(f"data ({split}): {err}") from None
     workers = config.num_workers if num_workers is None else num_workers
     return StreamingDataLoader(
         dataset, batch_size=batch_size, collate_fn=collate, num_workers=workers, pin_memory=pin_memory,

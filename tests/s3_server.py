@@ -1,0 +1,109 @@
+"""A real S3 endpoint on loopback for the tests: moto's server, behind a proxy that can inject faults.
+
+boto3 and streaming reach it through S3_ENDPOINT_URL over HTTP, exactly as they would reach AWS.
+The proxy forwards every request to moto unchanged unless a fault is armed: an HTTP error status
+(e.g. 503 SlowDown, 403 AccessDenied) for the next N matching requests, or a connection dropped
+without a response (what a reset or a dead load balancer looks like to the client).
+"""
+
+import http.client
+import socket
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class Fault:
+    method: str  # HTTP method to match ("PUT", "GET", ... or "*")
+    path_contains: str
+    remaining: int  # how many matching requests to spoil; -1: all of them
+    status: int | None  # HTTP status to answer with; None: drop the connection
+
+
+class FaultProxy:
+    """A threaded reverse proxy to `upstream_port` on 127.0.0.1; arm faults with `fail`."""
+
+    def __init__(self, upstream_port: int):
+        self.upstream_port = upstream_port
+        self.faults: list[Fault] = []
+        self.spoiled = 0
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _handle(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                fault = proxy._take_fault(self.command, self.path)
+                if fault is not None and fault.status is None:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if fault is not None:
+                    code = {503: "SlowDown", 500: "InternalError", 403: "AccessDenied"}.get(fault.status, "Error")
+                    payload = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                               f"<Message>injected by the test proxy</Message></Error>").encode()
+                    self.send_response(fault.status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}
+                upstream.request(self.command, self.path, body=body, headers=headers)
+                response = upstream.getresponse()
+                data = response.read()
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                upstream.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def fail(self, method: str, path_contains: str, times: int, status: int | None) -> None:
+        with self.lock:
+            self.faults.append(Fault(method, path_contains, times, status))
+
+    def clear(self) -> None:
+        with self.lock:
+            self.faults.clear()
+            self.spoiled = 0
+
+    def _take_fault(self, method: str, path: str) -> Fault | None:
+        with self.lock:
+            for fault in self.faults:
+                if fault.remaining != 0 and fault.method in (method, "*") and fault.path_contains in path:
+                    fault.remaining -= 1 if fault.remaining > 0 else 0
+                    self.spoiled += 1
+                    return fault
+        return None
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,184 @@
+"""Convert straight to S3 and train from S3, against a real S3 endpoint (moto's server) on 127.0.0.1."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+from conftest import ROOT, run_script, shakespeare_paragraphs, wikitext_articles, write_jsonl
+from s3_server import FaultProxy, free_port
+
+BUCKET = "corpora"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    proxy = FaultProxy(port)
+    saved = dict(os.environ)
+    os.environ.update(S3_ENDPOINT_URL=proxy.url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
+                      TOKSTREAM_S3_MAX_ATTEMPTS="6")
+    from tokstream.object_store import s3_client
+
+    s3_client().create_bucket(Bucket=BUCKET)
+    yield proxy
+    proxy.stop()
+    server.stop()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture()
+def proxy(s3):
+    s3.clear()
+    yield s3
+    s3.clear()
+
+
+def keys(prefix: str) -> list[str]:
+    from tokstream.object_store import S3Dataset
+
+    return sorted(S3Dataset(f"s3://{BUCKET}/{prefix}").keys())
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("corpus") / "wiki.jsonl", wikitext_articles())
+
+
+CONVERT = ["--block-size", "128", "--val-fraction", "0.05", "--shard-size", "96kb", "--no-progress"]
+
+
+def stock_samples(remote: str, local, split: str = "train") -> np.ndarray:
+    from streaming import StreamingDataset
+
+    dataset = StreamingDataset(remote=remote, local=str(local), split=split, shuffle=False, batch_size=1,
+                               validate_hash="xxh64")
+    return np.stack([dataset[i]["tokens"] for i in range(len(dataset))])
+
+
+def test_round_trip_equals_the_local_conversion(proxy, corpus, tmp_path):
+    local = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", tmp_path / "local", *CONVERT)
+    remote = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", f"s3://{BUCKET}/wiki", *CONVERT,
+                        "--compression", "zstd", "--staging", tmp_path / "staging")
+    assert local.returncode == 0 and remote.returncode == 0, remote.stderr
+    assert list((tmp_path / "staging").iterdir()) == []  # local copies removed after upload
+    uploaded = keys("wiki")
+    assert "metadata.json" in uploaded and "train/index.json" in uploaded
+    assert sum(k.startswith("train/shard.") for k in uploaded) > 3
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(stock_samples(f"s3://{BUCKET}/wiki", tmp_path / f"cache-{split}", split),
+                                      stock_samples(str(tmp_path / "local"), tmp_path / f"copy-{split}", split))
+    checked = run_script("convert/verify.py", f"s3://{BUCKET}/wiki")
+    assert checked.returncode == 0 and checked.stdout.rstrip().endswith("OK"), checked.stderr
+
+    again = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", f"s3://{BUCKET}/wiki", *CONVERT)
+    assert again.returncode == 2 and "already holds a dataset" in again.stderr
+
+
+def test_transient_errors_are_retried(proxy, corpus, tmp_path):
+    proxy.fail("PUT", "/shard.", times=3, status=503)  # SlowDown
+    proxy.fail("PUT", "/shard.", times=2, status=None)  # connection dropped mid-request
+    proxy.fail("GET", "/index.json", times=2, status=500)
+    done = run_script("convert/bin_to_mds.py", *_token_file(tmp_path), "--out", f"s3://{BUCKET}/retried",
+                      "--block-size", "64", "--shard-size", "64kb", "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert proxy.spoiled >= 5
+    local = run_script("convert/bin_to_mds.py", *_token_file(tmp_path), "--out", tmp_path / "local",
+                       "--block-size", "64", "--shard-size", "64kb")
+    assert local.returncode == 0
+    np.testing.assert_array_equal(stock_samples(f"s3://{BUCKET}/retried", tmp_path / "cache"),
+                                  stock_samples(str(tmp_path / "local"), tmp_path / "copy"))
+
+
+def _token_file(tmp_path) -> list[str]:
+    from tokstream.tokenizer import load_tokenizer
+
+    encoding = load_tokenizer("gpt2").encoding
+    tokens = [t for p in shakespeare_paragraphs() for t in encoding.encode_ordinary(p) + [encoding.eot_token]]
+    path = tmp_path / "train.bin"
+    if not path.exists():
+        np.array(tokens, dtype="<u2").tofile(path)
+    return [str(path)]
+
+
+def test_a_conversion_that_finally_fails_leaves_nothing_readable(proxy, corpus, tmp_path):
+    proxy.fail("PUT", "/shard.00003", times=-1, status=503)  # never recovers
+    done = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", f"s3://{BUCKET}/broken", *CONVERT)
+    assert done.returncode == 2
+    assert "upload to s3://corpora/broken failed after retries" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    left = keys("broken")
+    assert not [k for k in left if k.endswith(("index.json", "metadata.json"))]
+    assert left == []  # uploaded shards were removed too
+
+
+@pytest.mark.parametrize("case,message", [
+    ("no bucket", "the bucket does not exist"),
+    ("no credentials", "no AWS credentials found"),
+    ("access denied", "access denied (HTTP 403)"),
+])
+def test_start_up_errors_are_one_line_before_any_work(proxy, corpus, tmp_path, case, message):
+    env = dict(os.environ)
+    out = f"s3://{BUCKET}/denied"
+    if case == "no bucket":
+        out = "s3://no-such-bucket/x"
+    elif case == "no credentials":
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            env.pop(name)
+        env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
+    else:
+        proxy.fail("*", f"/{BUCKET}", times=-1, status=403)
+    done = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", out, *CONVERT, env=env, timeout=120)
+    assert done.returncode == 2
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "tokenizing" not in done.stderr
+
+
+def test_a_corrupt_shard_is_rejected_by_name(proxy, corpus, tmp_path):
+    done = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", f"s3://{BUCKET}/corrupt", *CONVERT)
+    assert done.returncode == 0, done.stderr
+    from tokstream.object_store import S3Dataset
+
+    store = S3Dataset(f"s3://{BUCKET}/corrupt")
+    shard = store.key("train/shard.00001.mds")
+    body = bytearray(store.client.get_object(Bucket=BUCKET, Key=shard)["Body"].read())
+    body[-5] ^= 0xFF
+    store.client.put_object(Bucket=BUCKET, Key=shard, Body=bytes(body))
+
+    with pytest.raises(ValueError, match=r"Checksum failure: .*train/shard\.00001\.mds"):
+        stock_samples(f"s3://{BUCKET}/corrupt", tmp_path / "cache")
+    checked = run_script("convert/verify.py", f"s3://{BUCKET}/corrupt")
+    assert checked.returncode == 2 and "train/shard.00001.mds: xxh64 hash mismatch" in checked.stderr
+
+
+def test_train_from_s3_preempt_and_resume_exactly(proxy, tmp_path):
+    """Same contract as a local dataset: preempted, relaunched, the same samples and losses."""
+    import test_training as training
+
+    corpus = tmp_path / "plays.txt"
+    corpus.write_text("\n\n".join(shakespeare_paragraphs()) + "\n")
+    done = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--txt-docs", "paragraph", "--out",
+                      f"s3://{BUCKET}/plays", "--block-size", "64", "--val-fraction", "0.05", "--shard-size", "64kb")
+    assert done.returncode == 0, done.stderr
+    remote = f"s3://{BUCKET}/plays"
+    cache = [f"data.local={tmp_path / 'cache'}", "data.cache_limit=300kb"]  # under half the 700 kB dataset: shards get evicted
+
+    training.train(2, remote, tmp_path / "reference", *cache, "max_steps=10")
+    reference = training.trained_steps(tmp_path / "reference")
+
+    run_dir = tmp_path / "run"
+    process = training.launch(2, remote, run_dir, *cache, "max_steps=10")
+    training.wait_for(lambda: len(training.metrics(run_dir)) >= 4)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert "preempted" in output, output[-3000:]
+    training.train(2, remote, run_dir, *cache, "max_steps=10")
+    assert training.trained_steps(run_dir) == reference
+    assert len(reference) == 10
+    assert ROOT.exists()
