@@ -109,7 +109,9 @@ def _token_file(tmp_path) -> list[str]:
 
 def test_a_conversion_that_finally_fails_leaves_nothing_readable(proxy, corpus, tmp_path):
     proxy.fail("PUT", "/shard.00003", times=-1, status=503)  # never recovers
-    done = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", f"s3://{BUCKET}/broken", *CONVERT)
+    env = dict(os.environ, TOKSTREAM_S3_MAX_ATTEMPTS="3")  # give up sooner than the default 8
+    done = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", f"s3://{BUCKET}/broken", *CONVERT,
+                      env=env)
     assert done.returncode == 2
     assert "upload to s3://corpora/broken failed after retries" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -8,15 +8,21 @@ and tests), and collates uint16 tokens without widening them on the host.
 import hashlib
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from streaming import StreamingDataLoader, StreamingDataset
+from streaming.base.constant import TICK
+from streaming.base.dataset import _ShardState
 
 from config import DataConfig
 from tokstream.errors import UserError
-from tokstream.format import METADATA_FILE, DatasetMetadata, read_metadata
+from tokstream.format import METADATA_FILE, DatasetMetadata, read_metadata, shard_samples
+
+_LOCAL = int(_ShardState.LOCAL)  # plain ints: IntEnum comparisons are slow per sample
+_REMOTE = int(_ShardState.REMOTE)
 
 
 def is_remote(path: str) -> bool:
@@ -75,10 +81,88 @@ def dataset_identity(config: DataConfig, split: str) -> str:
 
 
 class TokenDataset(StreamingDataset):
-    """Stock StreamingDataset whose samples also carry their global sample id."""
+    """Stock StreamingDataset with a per-sample path for this format's fixed-size token samples.
+
+    Stock `get_item` opens, seeks and reads the shard file and parses the column encodings for
+    every sample. Here each local shard is memory-mapped once (per process) and a sample is a
+    slice of it, no copy. Everything else stays streaming's: sample order, partitioning, resume
+    state, download-ahead, eviction and hash checks. A shard that is not LOCAL in streaming's
+    shared state (not downloaded yet, being downloaded, or evicted) goes through stock `get_item`,
+    which fetches it, and is mapped afresh afterwards; a mapping is dropped the moment its shard
+    stops being LOCAL, so an evicted file is never read and its disk space is really freed.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._views: dict[int, np.ndarray] = {}  # shard id -> (samples, tokens) view of its mapped file
+        self._dtype = None
+        self._length = None
+
+    def _map_shard(self, shard_id: int) -> np.ndarray:
+        reader = self.shards[shard_id]
+        if self._dtype is None:
+            encoding = reader.column_encodings[0]  # "ndarray:<dtype>:<length>", see tokstream.format
+            _, dtype, length = encoding.split(":")
+            self._dtype, self._length = np.dtype(dtype), int(length)
+        path = os.path.join(reader.dirname, reader.split, reader.raw_data.basename)
+        # A plain ndarray view: slicing a np.memmap subclass costs far more per sample.
+        return shard_samples(np.asarray(np.memmap(path, dtype=np.uint8, mode="r")), self._dtype, self._length)
+
+    # streaming runs two background threads per iterator that walk the sample order one sample at
+    # a time (download ahead, then mark ready). At tens of thousands of samples per second their
+    # Python loops take the GIL from the consumer; these two overrides keep streaming's logic and
+    # order but step through a window of samples at once, touching each shard once per window.
+
+    def _window(self, it, start: int) -> tuple[int, np.ndarray]:
+        """End of the window of samples from `start` within the predownload bound, and its shards in order."""
+        ahead = self.predownload if self.predownload is not None else it.total
+        stop = min(it.total, max(start + 1, it.yield_index + ahead + 1))
+        ids = it.sample_ids[start:stop]
+        shards = np.searchsorted(self.spanner.shard_bounds, ids[ids >= 0], side="right") - 1
+        _, first = np.unique(shards, return_index=True)
+        return stop, shards[np.sort(first)]
+
+    def _prepare_thread(self, it) -> None:
+        while not (it.should_exit() or self._event.is_set()):
+            if it.prepare_index == it.total or it.ready_index == it.total:
+                it.prepare_index = it.total
+                break
+            if self.predownload is not None and self.predownload < it.prepare_index - it.yield_index:
+                time.sleep(TICK)
+                continue
+            stop, shards = self._window(it, it.prepare_index)
+            for shard_id in shards.tolist():
+                self.prepare_shard(shard_id, False)
+            it.prepare_index = stop
+        it.on_exit()
+
+    def _ready_thread(self, it) -> None:
+        while not (it.should_exit() or self._event.is_set()):
+            if it.ready_index == it.total:
+                break
+            if self.predownload is not None and self.predownload < it.ready_index - it.yield_index:
+                time.sleep(TICK)
+                continue
+            stop, shards = self._window(it, it.ready_index)
+            for shard_id in shards.tolist():
+                if self._shard_states[shard_id] == _REMOTE:
+                    self.prepare_shard(shard_id, False)
+                while self._shard_states[shard_id] != _LOCAL and not self._event.is_set():
+                    time.sleep(TICK)
+            it.ready_index = stop
+        it.on_exit()
 
     def get_item(self, sample_id: int) -> dict:
-        return {"tokens": super().get_item(sample_id)["tokens"], "id": sample_id}
+        shard_id, index = self.spanner[sample_id]
+        if self._shard_states[shard_id] != _LOCAL:
+            self._views.pop(shard_id, None)
+            return {"tokens": super().get_item(sample_id)["tokens"], "id": sample_id}  # fetches the shard
+        view = self._views.get(shard_id)
+        if view is None:
+            view = self._views[shard_id] = self._map_shard(shard_id)
+        if self.cache_limit:
+            self._shard_access_times[shard_id] = time.time_ns()  # streaming evicts least recently used
+        return {"tokens": view[index], "id": sample_id}
 
 
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
@@ -105,7 +189,7 @@ def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, 
             remote=remote, local=local_root(config), split=split, shuffle=shuffle,
             shuffle_seed=config.shuffle_seed, shuffle_algo=config.shuffle_algo,
             shuffle_block_size=config.shuffle_block_size, num_canonical_nodes=config.num_canonical_nodes,
-            batch_size=batch_size, cache_limit=config.cache_limit,
+            batch_size=batch_size, cache_limit=config.cache_limit, predownload=config.predownload,
             validate_hash=config.validate_hash if remote else None, download_retry=config.download_retry,
         )
     except ValueError as err:  # streaming's word on a bad setting, e.g. a cache_limit below 4 shards

@@ -1,0 +1,164 @@
+"""Training-data throughput: the project's loader vs stock StreamingDataset vs a bare memmap get_batch.
+
+    python bench/loader.py                  # builds a 100 M-token dataset from ../shared/corpora
+    python bench/loader.py --data DIR       # an existing converted dataset (its train split)
+    python bench/loader.py --remote         # also: the dataset served from S3 on 127.0.0.1, cold cache
+
+All three read the same shards, shuffled 1,025-token uint16 samples, batch 16, one process (plus
+its DataLoader workers), and are timed over the same number of batches after the first:
+- project: train/data.py's TokenDataset + StreamingDataLoader, as train/main.py builds them;
+- stock:   streaming.StreamingDataset + StreamingDataLoader with the default collate;
+- memmap:  nanoGPT's get_batch (memmap per batch, torch.randint offsets, int64 x and y) on the
+           same shards' token regions.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for folder in ("", "train", "bench", "tests"):
+    sys.path.insert(0, str(ROOT / folder))
+
+BATCH = 16
+
+
+def build_dataset(out: Path, million_tokens: int) -> None:
+    from bin_speed import build_bin
+
+    from tokstream.token_conversion import convert_token_files
+    from tokstream.token_files import open_token_file
+
+    build_bin(out.with_suffix(".bin"), million_tokens)
+    convert_token_files({"train": [open_token_file(out.with_suffix(".bin"))]}, str(out), 1024, "gpt2", 50257,
+                        50256, progress=False)
+    out.with_suffix(".bin").unlink()
+
+
+def timed_batches(batches, count: int) -> float:
+    """Tokens/s over `count` batches, after taking (and not timing) the first."""
+    iterator = iter(batches)
+    next(iterator)
+    started = time.perf_counter()
+    tokens = 0
+    for _ in range(count):
+        batch = next(iterator)
+        tokens += batch.get("counted", batch["tokens"].numel())  # block + 1 tokens per sample for all three
+    return tokens / (time.perf_counter() - started)
+
+
+def project_loader(remote: str, local: str | None, workers: int):
+    from config import DataConfig
+    from data import make_loader
+
+    config = DataConfig(remote=remote, local=local, num_workers=workers, predownload=2048)
+    return make_loader(config, "train", BATCH, shuffle=True, pin_memory=False)
+
+
+def stock_loader(remote: str, local: str | None, workers: int):
+    from streaming import StreamingDataLoader, StreamingDataset
+
+    is_url = "://" in remote
+    dataset = StreamingDataset(remote=remote if is_url else None, local=local if is_url else remote, split="train",
+                               shuffle=True, shuffle_seed=9176, num_canonical_nodes=1, batch_size=BATCH)
+    return StreamingDataLoader(dataset, batch_size=BATCH, num_workers=workers, drop_last=True)
+
+
+def memmap_batches(root: Path):
+    """nanoGPT's get_batch, verbatim in its logic, over the same shards' token regions.
+
+    Each shard's samples form a contiguous run of tokens; like nanoGPT it re-opens the memmap
+    every batch, draws random offsets with torch.randint and builds int64 inputs and targets.
+    """
+    regions = []
+    for path in sorted((root / "train").glob("shard.*.mds")):
+        header = np.fromfile(path, dtype=np.uint32, count=2)  # sample count, offset of sample 0
+        regions.append((path, int(header[1]), int(header[0]) * 1025))
+    block = 1024
+    while True:
+        path, offset, length = regions[int(torch.randint(len(regions), (1,)))]
+        data = np.memmap(path, dtype=np.uint16, mode="r", offset=offset, shape=(length,))
+        ix = torch.randint(length - block, (BATCH,))
+        x = torch.stack([torch.from_numpy(data[i : i + block].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block].astype(np.int64)) for i in ix])
+        yield {"tokens": x, "targets": y, "counted": BATCH * (block + 1)}
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=None, help="converted dataset root (default: build one)")
+    parser.add_argument("--tokens", type=int, default=100, help="millions of tokens when building")
+    parser.add_argument("--batches", type=int, default=2000)
+    parser.add_argument("--remote", action="store_true", help="also measure from S3 on loopback, cold cache")
+    args = parser.parse_args()
+
+    from streaming.base.util import clean_stale_shared_memory
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.data) if args.data else Path(tmp) / "ds"
+        if not args.data:
+            build_dataset(root, args.tokens)
+        rates: dict[str, float] = {}
+        for workers in (0, 1, 2):
+            clean_stale_shared_memory()
+            rates[f"project workers={workers}"] = timed_batches(project_loader(str(root), None, workers), args.batches)
+            clean_stale_shared_memory()
+            rates[f"stock   workers={workers}"] = timed_batches(stock_loader(str(root), None, workers), args.batches)
+        rates["memmap get_batch"] = timed_batches(memmap_batches(root), args.batches)
+        report("local dataset", rates)
+        if args.remote:
+            remote_rates(root, Path(tmp), args.batches, rates["memmap get_batch"])
+
+
+def report(title: str, rates: dict[str, float]) -> None:
+    print(f"== {title}: tokens/s, batch {BATCH} x 1025, shuffled")
+    for name, rate in rates.items():
+        print(f"  {name:22s} {rate / 1e6:8.2f} M")
+    best = {kind: max((r, n) for n, r in rates.items() if n.startswith(kind)) for kind in ("project", "stock")}
+    memmap = rates.get("memmap get_batch")
+    print(f"  best project: {best['project'][1]}, best stock: {best['stock'][1]}")
+    print(f"  ratio_vs_stock={best['project'][0] / best['stock'][0]:.2f}" +
+          (f" ratio_vs_memmap={best['project'][0] / memmap:.2f}" if memmap else ""))
+
+
+def remote_rates(root: Path, tmp: Path, batches: int, memmap_rate: float) -> None:
+    """The same dataset uploaded to S3 on 127.0.0.1, each loader from its own cold cache."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+    from s3_server import free_port
+    from streaming.base.util import clean_stale_shared_memory
+
+    from tokstream.object_store import S3Dataset, s3_client
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    os.environ.update(S3_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    s3_client().create_bucket(Bucket="bench")
+    store = S3Dataset("s3://bench/ds")
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            store.upload(path, path.relative_to(root).as_posix())
+    rates = {}
+    workers = 1
+    clean_stale_shared_memory()
+    rates[f"project workers={workers}"] = timed_batches(project_loader("s3://bench/ds", str(tmp / "c1"), workers),
+                                                        batches)
+    clean_stale_shared_memory()
+    rates[f"stock   workers={workers}"] = timed_batches(stock_loader("s3://bench/ds", str(tmp / "c2"), workers),
+                                                        batches)
+    rates["memmap get_batch"] = memmap_rate  # local, from the run above: the ceiling
+    report("S3 on 127.0.0.1, cold cache (memmap: local, same run)", rates)
+    server.stop()
+
+
+if __name__ == "__main__":
+    main()
