@@ -209,3 +209,28 @@ def test_killed_conversion_never_looks_complete(tmp_path, articles, sig):
     assert not partial.exists()
     convert([corpus], tmp_path / "clean", block_size=64, shard_size="64kb", val_fraction=0.1)
     assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
+
+
+def test_offline_hub_dataset_is_one_clear_line(tmp_path):
+    import os
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = run_script("convert/owt_to_mds.py", "--out", tmp_path / "owt", "--max-docs", "10", env=env, timeout=120)
+    assert done.returncode == 2
+    assert "could not open hub dataset Skylion007/openwebtext" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "owt").exists() and not (tmp_path / "owt.partial").exists()
+
+
+def test_local_ranks_file_gives_the_same_tokens_offline(tmp_path, articles):
+    import os
+
+    corpus = write_jsonl(tmp_path / "wiki.jsonl", articles[:50])
+    ranks = ROOT.parent / "shared" / "tokenizers" / "r50k_base.tiktoken"
+    env = {k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"}
+    env["TIKTOKEN_CACHE_DIR"] = str(tmp_path / "empty-cache")  # nothing cached: only the ranks file can work
+    by_file = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", tmp_path / "a", "--ranks-file", ranks,
+                         "--val-fraction", "0", "--block-size", "64", env=env)
+    assert by_file.returncode == 0, by_file.stderr
+    convert([corpus], tmp_path / "b", block_size=64, val_fraction=0)
+    assert (tmp_path / "a/train/shard.00000.mds").read_bytes() == (tmp_path / "b/train/shard.00000.mds").read_bytes()

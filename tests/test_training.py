@@ -50,7 +50,8 @@ def launch(nproc: int, dataset: Path, run_dir: Path, *overrides: str) -> subproc
 
 def finish(process: subprocess.Popen, timeout: float = 300) -> str:
     output, _ = process.communicate(timeout=timeout)
-    assert process.returncode == 0, output[-3000:]
+    errors = [line for line in output.splitlines() if "Error" in line or "error:" in line]
+    assert process.returncode == 0, "\n".join(errors[:20]) + "\n...\n" + output[-2000:]
     return output
 
 

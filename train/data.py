@@ -159,7 +159,10 @@ class TokenDataset(StreamingDataset):
             return {"tokens": super().get_item(sample_id)["tokens"], "id": sample_id}  # fetches the shard
         view = self._views.get(shard_id)
         if view is None:
-            view = self._views[shard_id] = self._map_shard(shard_id)
+            try:
+                view = self._views[shard_id] = self._map_shard(shard_id)
+            except FileNotFoundError:  # evicted by another rank between the state check and here
+                return {"tokens": super().get_item(sample_id)["tokens"], "id": sample_id}
         if self.cache_limit:
             self._shard_access_times[shard_id] = time.time_ns()  # streaming evicts least recently used
         return {"tokens": view[index], "id": sample_id}
