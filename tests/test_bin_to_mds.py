@@ -1,8 +1,13 @@
 """convert/bin_to_mds.py: nanoGPT .bin, llm.c shards and .npy built from real tokens, read back exactly."""
 
+import signal
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
-from conftest import nanogpt_stream, run_script, shakespeare_paragraphs, wikitext_articles
+from conftest import ROOT, nanogpt_stream, run_script, shakespeare_paragraphs, wikitext_articles
 
 from tokstream.format import read_metadata
 from tokstream.verify import iter_split_samples
@@ -108,3 +113,40 @@ def test_bad_token_files_get_one_line_naming_file_and_offset(tmp_path, stream, n
     assert message in done.stderr and (make is None or str(path) in done.stderr)
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "out" / "train").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_conversion_resumes_from_its_shards_with_the_same_bytes(tmp_path, stream, sig):
+    big = np.tile(stream, 40).astype("<u2")  # about 50 M tokens: long enough to interrupt
+    big.tofile(tmp_path / "train.bin")
+    cmd = [sys.executable, str(ROOT / "convert/bin_to_mds.py"), str(tmp_path / "train.bin"), "--out",
+           str(tmp_path / "out"), "--block-size", "256", "--shard-size", "128kb", "--no-progress"]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    journal = tmp_path / "out.partial" / "train" / ".shards.journal"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not journal.exists() or journal.read_text().count("\n") < 20):
+        time.sleep(0.002)
+    process.send_signal(sig)
+    process.communicate(timeout=60)
+    assert process.returncode != 0, "finished before it could be interrupted"
+    assert not (tmp_path / "out").exists() and journal.exists()
+
+    resumed = subprocess.run(cmd, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming train:" in resumed.stdout and "shards verified" in resumed.stdout
+    whole = run_script("convert/bin_to_mds.py", tmp_path / "train.bin", "--out", tmp_path / "whole", "--block-size",
+                       "256", "--shard-size", "128kb")
+    assert whole.returncode == 0
+    names = sorted(p.name for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert names == sorted(p.name for p in (tmp_path / "whole").rglob("*") if p.is_file())
+    for name in names:
+        path = next((tmp_path / "out").rglob(name))
+        assert path.read_bytes() == (tmp_path / "whole" / path.relative_to(tmp_path / "out")).read_bytes(), name
+
+
+def test_partial_output_of_other_inputs_is_not_resumed(tmp_path, stream):
+    stream[:10_000].astype("<u2").tofile(tmp_path / "a.bin")
+    (tmp_path / "out.partial").mkdir()
+    (tmp_path / "out.partial" / ".resume-key.json").write_text('{"inputs": "something else"}')
+    done = run_script("convert/bin_to_mds.py", tmp_path / "a.bin", "--out", tmp_path / "out", "--block-size", "64")
+    assert done.returncode == 2 and "of other inputs or settings" in done.stderr

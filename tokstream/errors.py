@@ -19,7 +19,7 @@ def run_cli(main: Callable[[], object]) -> NoReturn:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("interrupted: partial output was discarded", file=sys.stderr)
+        print("interrupted: the output was not completed (see README: what resumes and what restarts)", file=sys.stderr)
         sys.exit(130)
     sys.exit(0)
 

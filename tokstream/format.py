@@ -28,6 +28,7 @@ from tokstream.errors import UserError
 FORMAT_NAME = "tokstream-mds"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
+JOURNAL_FILE = ".shards.journal"  # a resumable writer's record of completed shards; gone when finished
 TOKENS_COLUMN = "tokens"
 SPLITS = ("train", "val")
 
@@ -216,9 +217,13 @@ class ShardWriter:
     MDS_EXTRA_BYTES_PER_SAMPLE = 4  # MDS counts one uint32 offset per sample towards the size limit
 
     def __init__(self, directory: str | os.PathLike, metadata: DatasetMetadata, shard_size: str | int,
-                 compression: str | None = None, hashes: list[str] = (), on_file=None):
+                 compression: str | None = None, hashes: list[str] = (), on_file=None,
+                 resume_shards: list[dict] | None = None):
         self.directory = Path(directory)
         self.on_file = on_file  # told of each finished shard file (an uploader, say)
+        # With resume_shards (from read_journal) the writer continues after them; every shard it
+        # completes is recorded in JOURNAL_FILE, so a killed run can continue where it stopped.
+        self.journal = resume_shards is not None
         self.directory.mkdir(parents=True, exist_ok=True)
         self.dtype = metadata.np_dtype
         self.length = metadata.sample_length
@@ -245,7 +250,7 @@ class ShardWriter:
         # One shard's samples, reused shard after shard: each token is copied once on its way to disk.
         self.body = np.empty((self.samples_per_shard, self.length), dtype=self.dtype)
         self.pending_count = 0
-        self.shards: list[dict] = []
+        self.shards: list[dict] = list(resume_shards or [])
 
     def write(self, samples: np.ndarray) -> None:
         """Append a (count, block_size + 1) array of samples; full shards go to disk at once."""
@@ -276,6 +281,14 @@ class ShardWriter:
         with open(path, "wb") as out:
             for piece in pieces:
                 out.write(piece)
+            if self.journal:
+                out.flush()
+                os.fsync(out.fileno())
+        if self.journal:
+            with open(self.directory / JOURNAL_FILE, "a") as journal:
+                journal.write(json.dumps(shard, sort_keys=True) + "\n")
+                journal.flush()
+                os.fsync(journal.fileno())
         if self.on_file is not None:
             self.on_file(path)
         shard.update(self.config)
@@ -291,7 +304,35 @@ class ShardWriter:
         if self.pending_count:
             self._flush()
         with open(self.directory / "index.json", "w") as out:
-            json.dump({"shards": self.shards, "version": 2}, out, sort_keys=True)
+            json.dump({"shards": [{**shard, **self.config} for shard in self.shards], "version": 2}, out,
+                      sort_keys=True)
+        (self.directory / JOURNAL_FILE).unlink(missing_ok=True)
+
+
+def read_journal(directory: str | os.PathLike) -> list[dict]:
+    """The shards a killed ShardWriter completed, each checked against its recorded size and hashes.
+
+    Reading stops at the first entry that is torn or whose file does not match: that shard and
+    everything after it are written again.
+    """
+    path = Path(directory) / JOURNAL_FILE
+    shards: list[dict] = []
+    if not path.is_file():
+        return shards
+    for line in path.read_text().splitlines():
+        try:
+            shard = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        stored = shard["zip_data"] or shard["raw_data"]
+        file = Path(directory) / stored["basename"]
+        if not file.is_file() or file.stat().st_size != stored["bytes"]:
+            break
+        if any(file_hash(algo, file.read_bytes()) != digest for algo, digest in stored["hashes"].items()):
+            break
+        shards.append(shard)
+    path.write_text("".join(json.dumps(s, sort_keys=True) + "\n" for s in shards))  # drop the torn tail
+    return shards
 
 
 def parse_size(size: str | int) -> int:

@@ -7,6 +7,7 @@ local temporary directory (`--staging`), uploaded as soon as each is written and
 the index files and then metadata.json go up last, and a failed run deletes what it uploaded.
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -25,6 +26,10 @@ class Staging:
 
     path: Path
     on_file: Callable[[Path], None] | None = None
+    resumed: bool = False  # the path holds the work of an interrupted run with the same resume key
+
+
+RESUME_KEY_FILE = ".resume-key.json"
 
 
 def partial_path(out: Path) -> Path:
@@ -32,27 +37,45 @@ def partial_path(out: Path) -> Path:
 
 
 @contextmanager
-def staged_output(out: str | os.PathLike, overwrite: bool, staging_dir: str | None = None) -> Iterator[Staging]:
-    """Yield an empty staging area; on success it becomes `out`, on any failure it is removed."""
+def staged_output(out: str | os.PathLike, overwrite: bool, staging_dir: str | None = None,
+                  resume_key: dict | None = None) -> Iterator[Staging]:
+    """Yield a staging area; on success it becomes `out`, on failure it is removed.
+
+    With a resume key (local outputs), an interrupted run's `OUT.partial` made with the same key is
+    handed back (`resumed`), and an interruption (Ctrl-C, SIGTERM) keeps it for the next run.
+    """
     if is_s3(out):
         with _staged_s3(str(out), overwrite, staging_dir) as staging:
             yield staging
         return
     out = Path(out)
     staging = partial_path(out)
+    key_file = staging / RESUME_KEY_FILE
     if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
         raise UserError(f"output {out} already exists: pass --overwrite to replace it, or choose another --out")
+    resumed = False
     if staging.exists():
-        if not overwrite:
-            raise UserError(f"{staging} is left from an interrupted conversion: pass --overwrite to "
-                            "discard it and convert again")
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
+        if resume_key is not None and key_file.is_file() and json.loads(key_file.read_text()) == resume_key:
+            resumed = True
+        elif not overwrite:
+            raise UserError(f"{staging} is left from an interrupted conversion of other inputs or settings: "
+                            "pass --overwrite to discard it and convert again")
+        else:
+            shutil.rmtree(staging)
+    if not resumed:
+        staging.mkdir(parents=True)
+        if resume_key is not None:
+            key_file.write_text(json.dumps(resume_key))
     try:
-        yield Staging(staging)
+        yield Staging(staging, resumed=resumed)
+    except KeyboardInterrupt:
+        if resume_key is None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    key_file.unlink(missing_ok=True)
     replaced = out.with_name(out.name + ".replaced")
     if out.exists():
         shutil.rmtree(replaced, ignore_errors=True)

@@ -4,6 +4,8 @@ The files are concatenated in the order given; the output stream equals the inpu
 into samples exactly as text conversion cuts it. Memory stays at one chunk plus one shard.
 """
 
+import dataclasses
+import json
 import mmap
 import os
 from pathlib import Path
@@ -13,12 +15,13 @@ from tqdm import tqdm
 
 from tokstream.errors import UserError
 from tokstream.format import (METADATA_FILE, BlockPacker, DatasetMetadata, ShardWriter, SplitStats,
-                              read_metadata, token_dtype, write_metadata)
+                              read_journal, read_metadata, token_dtype, write_metadata)
 from tokstream.object_store import is_s3
 from tokstream.staging import staged_output
 from tokstream.token_files import TokenFile, check_chunk
 
 CHUNK_TOKENS = 1 << 24  # 32 MB of uint16 per read
+SPLIT_STATS_FILE = ".split-stats.json"  # a finished split's counts, kept only while the run is unfinished
 
 
 def _release_pages(tokens: np.ndarray) -> None:
@@ -29,21 +32,39 @@ def _release_pages(tokens: np.ndarray) -> None:
 
 
 def pack_token_files(files: list[TokenFile], directory: Path, metadata: DatasetMetadata, shard_size: str,
-                     compression: str | None, hashes: list[str], progress: bool, on_file=None) -> SplitStats:
-    """Write one split from the files' concatenated tokens into `directory`."""
+                     compression: str | None, hashes: list[str], progress: bool, on_file=None,
+                     resumable: bool = False) -> SplitStats:
+    """Write one split from the files' concatenated tokens into `directory`.
+
+    Resumable (local outputs): completed shards are journaled, and a rerun after a kill verifies
+    them and continues from the first sample they do not hold. A finished split is not redone.
+    """
+    stats_file = directory / SPLIT_STATS_FILE
+    if resumable and stats_file.is_file() and (directory / "index.json").is_file():
+        return SplitStats(**json.loads(stats_file.read_text()))
+    done = read_journal(directory) if resumable else []
+    skip = sum(shard["samples"] for shard in done) * metadata.block_size  # first token of the next sample
     packer = BlockPacker(metadata.block_size, metadata.np_dtype)
-    writer = ShardWriter(directory, metadata, shard_size, compression, hashes, on_file=on_file)
+    packer.tokens, packer.samples = skip, skip // metadata.block_size
+    writer = ShardWriter(directory, metadata, shard_size, compression, hashes, on_file=on_file,
+                         resume_shards=done if resumable else None)
     stats = SplitStats()
     total = sum(len(f.tokens) for f in files)
+    if done:
+        print(f"resuming {directory.name}: {len(done)} shards verified, continuing at token {skip:,}")
     with tqdm(total=total, unit="tok", unit_scale=True, desc="packing", disable=not progress, delay=2) as bar:
+        offset = 0  # of the current file in the concatenated stream
         for token_file in files:
             for start in range(0, len(token_file.tokens), CHUNK_TOKENS):
                 chunk = np.asarray(token_file.tokens[start : start + CHUNK_TOKENS])
                 check_chunk(chunk, metadata.vocab_size, token_file, start)
                 stats.documents += int(np.count_nonzero(chunk == metadata.eot_id))
-                writer.write(packer.add(chunk))
+                first_new = max(0, skip - (offset + start))  # tokens already in verified shards
+                if first_new < len(chunk):
+                    writer.write(packer.add(chunk[first_new:]))
                 bar.update(len(chunk))
                 _release_pages(token_file.tokens)
+            offset += len(token_file.tokens)
     if packer.samples == 0:
         raise UserError(f"{packer.tokens} tokens in all inputs: fewer than one sample of block_size + 1 = "
                         f"{metadata.block_size + 1}")
@@ -51,7 +72,16 @@ def pack_token_files(files: list[TokenFile], directory: Path, metadata: DatasetM
     stats.tokens, stats.samples, stats.dropped_tokens = packer.tokens, packer.samples, packer.dropped_tokens
     stats.shards = len(writer.shards)
     stats.bytes = sum((shard["zip_data"] or shard["raw_data"])["bytes"] for shard in writer.shards)
+    if resumable:
+        stats_file.write_text(json.dumps(dataclasses.asdict(stats)))
     return stats
+
+
+def resume_key(files_by_split: dict[str, list[TokenFile]], settings: dict) -> dict:
+    """What must match for an interrupted conversion to be continued rather than redone."""
+    inputs = {split: [[str(f.path), f.path.stat().st_size, f.path.stat().st_mtime_ns, f.format] for f in files]
+              for split, files in files_by_split.items()}
+    return {"inputs": inputs, **settings}
 
 
 def convert_token_files(files_by_split: dict[str, list[TokenFile]], out: str, block_size: int,
@@ -76,19 +106,22 @@ def convert_token_files(files_by_split: dict[str, list[TokenFile]], out: str, bl
         split={"method": "given", "note": "splits named on the command line; documents counted as eot tokens"},
     )
     root = Path(out)
+    settings = {"block_size": block_size, "vocab_size": vocab_size, "shard_size": str(shard_size),
+                "compression": compression, "hashes": sorted(hashes)}
     if not is_s3(out) and (root / METADATA_FILE).is_file() and not overwrite:
-        return _add_local_splits(files_by_split, root, metadata, shard_size, compression, hashes, progress)
-    with staged_output(out, overwrite, staging_dir) as staging:
+        return _add_local_splits(files_by_split, root, metadata, settings, progress)
+    key = None if is_s3(out) else resume_key(files_by_split, settings)
+    with staged_output(out, overwrite, staging_dir, resume_key=key) as staging:
         for split, files in files_by_split.items():
             metadata.splits[split] = pack_token_files(files, staging.path / split, metadata, shard_size, compression,
-                                                      list(hashes), progress, staging.on_file)
+                                                      list(hashes), progress, staging.on_file, resumable=key is not None)
+            (staging.path / split / SPLIT_STATS_FILE).unlink(missing_ok=True)
         write_metadata(staging.path, metadata)
     return metadata
 
 
 def _add_local_splits(files_by_split: dict[str, list[TokenFile]], root: Path, metadata: DatasetMetadata,
-                      shard_size: str, compression: str | None, hashes: tuple[str, ...],
-                      progress: bool) -> DatasetMetadata:
+                      settings: dict, progress: bool) -> DatasetMetadata:
     existing = read_metadata(root)
     for key in ("tokenizer", "vocab_size", "block_size", "dtype"):
         if getattr(existing, key) != getattr(metadata, key):
@@ -102,9 +135,12 @@ def _add_local_splits(files_by_split: dict[str, list[TokenFile]], root: Path, me
             raise UserError(f"{root} already has a {split} split: pass --overwrite to rewrite the whole dataset")
     existing.source["splits"].update(metadata.source["splits"])
     for split, files in files_by_split.items():
-        with staged_output(root / split, False) as staging:
-            existing.splits[split] = pack_token_files(files, staging.path, existing, shard_size, compression,
-                                                      list(hashes), progress)
+        key = resume_key({split: files}, settings)
+        with staged_output(root / split, False, resume_key=key) as staging:
+            existing.splits[split] = pack_token_files(files, staging.path, existing, settings["shard_size"],
+                                                      settings["compression"], settings["hashes"], progress,
+                                                      resumable=True)
+            (staging.path / SPLIT_STATS_FILE).unlink(missing_ok=True)
     temporary = root / (METADATA_FILE + ".tmp")
     temporary.write_text(existing.to_json())
     os.replace(temporary, root / METADATA_FILE)  # the new split is visible to training only from here
