@@ -13,7 +13,6 @@ its DataLoader workers), and are timed over the same number of batches after the
 """
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -128,21 +127,12 @@ def report(title: str, rates: dict[str, float]) -> None:
 
 def remote_rates(root: Path, tmp: Path, batches: int, memmap_rate: float) -> None:
     """The same dataset uploaded to S3 on 127.0.0.1, each loader from its own cold cache."""
-    import logging
-
-    from moto.server import ThreadedMotoServer
-    from s3_server import free_port
+    from s3_server import start_loopback_s3
     from streaming.base.util import clean_stale_shared_memory
 
-    from tokstream.object_store import S3Dataset, s3_client
+    from tokstream.object_store import S3Dataset
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    os.environ.update(S3_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
-                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
-    s3_client().create_bucket(Bucket="bench")
+    start_loopback_s3("bench")  # stays up until the process ends (see below)
     store = S3Dataset("s3://bench/ds")
     for path in sorted(root.rglob("*")):
         if path.is_file():

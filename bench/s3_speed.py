@@ -12,7 +12,6 @@ the S3 path; a real bucket adds its own latency and throughput on top.
 """
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -64,20 +63,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from convert_speed import build_corpus
-    from moto.server import ThreadedMotoServer
-    from s3_server import free_port
+    from s3_server import start_loopback_s3
 
-    from tokstream.object_store import s3_client
-
-    import logging
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request log lines
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    os.environ.update(S3_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
-                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
-    s3_client().create_bucket(Bucket="bench")
+    server = start_loopback_s3("bench")
     from streaming.base.util import clean_stale_shared_memory
 
     clean_stale_shared_memory()

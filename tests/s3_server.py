@@ -107,3 +107,29 @@ class FaultProxy:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def start_loopback_s3(*buckets: str):
+    """moto's S3 server on a free 127.0.0.1 port, with the AWS variables that point clients at it.
+
+    Returns the server (stop() it when done); the environment is set in this process, so
+    subprocesses started afterwards inherit it.
+    """
+    import logging
+    import os
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    os.environ.update(S3_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="loopback",
+                      AWS_SECRET_ACCESS_KEY="loopback", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_EC2_METADATA_DISABLED="true")
+    from tokstream.object_store import s3_client
+
+    for bucket in buckets:
+        s3_client().create_bucket(Bucket=bucket)
+    server.port = port
+    return server

@@ -99,19 +99,13 @@ def test_resume_points_continue_like_stock(dataset, tmp_path, resume_after):
 
 def test_eviction_under_a_small_cache_limit_keeps_samples_exact(dataset, tmp_path):
     """From S3 on loopback with a cache far smaller than the 11 shards: shards are evicted and fetched again."""
-    from moto.server import ThreadedMotoServer
-    from s3_server import free_port
+    from s3_server import start_loopback_s3
 
-    from tokstream.object_store import S3Dataset, s3_client
+    from tokstream.object_store import S3Dataset
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
     saved = dict(os.environ)
-    os.environ.update(S3_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="t", AWS_SECRET_ACCESS_KEY="t",
-                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    server = start_loopback_s3("evict")
     try:
-        s3_client().create_bucket(Bucket="evict")
         store = S3Dataset("s3://evict/ds")
         for path in sorted(dataset.rglob("*")):
             if path.is_file():

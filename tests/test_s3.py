@@ -6,26 +6,17 @@ import signal
 import numpy as np
 import pytest
 from conftest import ROOT, run_script, shakespeare_paragraphs, wikitext_articles, write_jsonl
-from s3_server import FaultProxy, free_port
+from s3_server import FaultProxy, start_loopback_s3
 
 BUCKET = "corpora"
 
 
 @pytest.fixture(scope="module")
 def s3():
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    proxy = FaultProxy(port)
     saved = dict(os.environ)
-    os.environ.update(S3_ENDPOINT_URL=proxy.url, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
-                      TOKSTREAM_S3_MAX_ATTEMPTS="6")
-    from tokstream.object_store import s3_client
-
-    s3_client().create_bucket(Bucket=BUCKET)
+    server = start_loopback_s3(BUCKET)
+    proxy = FaultProxy(server.port)  # clients talk to moto through the fault-injecting proxy
+    os.environ.update(S3_ENDPOINT_URL=proxy.url, TOKSTREAM_S3_MAX_ATTEMPTS="6")
     yield proxy
     proxy.stop()
     server.stop()
