@@ -98,7 +98,8 @@ def main() -> None:
 
     from streaming.base.util import clean_stale_shared_memory
 
-    with tempfile.TemporaryDirectory() as tmp:
+    # Download-ahead threads may still be filling a cache when the directory is removed.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         root = Path(args.data) if args.data else Path(tmp) / "ds"
         if not args.data:
             build_dataset(root, args.tokens)
