@@ -61,3 +61,27 @@ def run_script(script: str, *args: str, timeout: float = 300, **kwargs) -> subpr
     """Run one of the project's CLIs as a user would."""
     return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, **kwargs)
+
+
+def expected_samples(stream, block_size: int):
+    """The format's samples of a token stream: k-th holds stream[k*B : k*B + B + 1]."""
+    import numpy as np
+
+    count = (len(stream) - 1) // block_size
+    return np.array([stream[k * block_size : k * block_size + block_size + 1] for k in range(count)])
+
+
+def split_samples(root, split: str = "train"):
+    """Every sample of a split, read straight from its shards (checked by tokstream.verify)."""
+    import numpy as np
+
+    from tokstream.verify import iter_split_samples
+
+    problems: list[str] = []
+    arrays = list(iter_split_samples(root, split, problems))
+    assert not problems, problems
+    return np.concatenate(arrays)
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

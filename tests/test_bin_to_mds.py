@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT, nanogpt_stream, run_script, shakespeare_paragraphs, wikitext_articles
+from conftest import (ROOT, expected_samples, nanogpt_stream, run_script, shakespeare_paragraphs, split_samples,
+                      wikitext_articles)
 
 from tokstream.format import read_metadata
-from tokstream.verify import iter_split_samples
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +28,6 @@ def write_llmc(path, tokens: np.ndarray, magic: int = 20240520, version: int = 1
     return path
 
 
-def samples_of(root, split="train") -> np.ndarray:
-    problems: list[str] = []
-    arrays = list(iter_split_samples(root, split, problems))
-    assert not problems
-    return np.concatenate(arrays)
-
-
-def expected(stream: np.ndarray, block: int) -> np.ndarray:
-    count = (len(stream) - 1) // block
-    return np.stack([stream[k * block : k * block + block + 1] for k in range(count)])
-
-
 def test_every_format_gives_the_input_stream(tmp_path, stream):
     """nanoGPT .bin pieces + an llm.c shard + an .npy, concatenated in the order given."""
     a, b, c = np.array_split(stream, [300_000, 500_000])
@@ -50,7 +38,7 @@ def test_every_format_gives_the_input_stream(tmp_path, stream):
                       tmp_path / "owt_train_tokens.npy", "--out", tmp_path / "out", "--block-size", "512",
                       "--shard-size", "256kb", "--no-progress")
     assert done.returncode == 0, done.stderr
-    np.testing.assert_array_equal(samples_of(tmp_path / "out"), expected(stream, 512))
+    np.testing.assert_array_equal(split_samples(tmp_path / "out"), expected_samples(stream, 512))
     meta = read_metadata(tmp_path / "out")
     assert meta.source["splits"]["train"]["formats"] == ["nanogpt", "llmc", "npy"]
     assert meta.splits["train"].tokens == len(stream)
@@ -65,7 +53,7 @@ def test_every_format_gives_the_input_stream(tmp_path, stream):
 
     val = StreamingDataset(local=str(tmp_path / "out"), split="val", shuffle=False, batch_size=1)
     np.testing.assert_array_equal(np.stack([val[i]["tokens"] for i in range(len(val))]),
-                                  expected(stream[:20_000], 512))
+                                  expected_samples(stream[:20_000], 512))
     assert run_script("convert/verify.py", tmp_path / "out").returncode == 0
 
 
@@ -78,7 +66,7 @@ def test_llama3_shards_keep_uint32(tmp_path, stream):
     convert_token_files({"train": [open_token_file(tmp_path / "llama.bin")]}, str(tmp_path / "out"), 256,
                         "llama3", 128256, 128001, progress=False)
     assert read_metadata(tmp_path / "out").dtype == "uint32"
-    np.testing.assert_array_equal(samples_of(tmp_path / "out"), expected(tokens, 256))
+    np.testing.assert_array_equal(split_samples(tmp_path / "out"), expected_samples(tokens, 256))
 
 
 def test_glob_expands_in_sorted_order(tmp_path, stream):
@@ -88,7 +76,7 @@ def test_glob_expands_in_sorted_order(tmp_path, stream):
     done = run_script("convert/bin_to_mds.py", str(tmp_path / "edu_fineweb_train_*.bin"), "--out",
                       tmp_path / "out", "--block-size", "128")
     assert done.returncode == 0, done.stderr
-    np.testing.assert_array_equal(samples_of(tmp_path / "out"), expected(stream[:100_000], 128))
+    np.testing.assert_array_equal(split_samples(tmp_path / "out"), expected_samples(stream[:100_000], 128))
 
 
 BAD_FILES = [

@@ -11,7 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, nanogpt_stream, run_script, shakespeare_paragraphs, write_jsonl
+from conftest import (ROOT, expected_samples, nanogpt_stream, run_script, shakespeare_paragraphs, tree_bytes,
+                      write_jsonl)
 
 from tokstream.conversion import ConversionOptions
 from tokstream.format import read_metadata
@@ -24,11 +25,6 @@ def stock_samples(root: Path, split: str) -> np.ndarray:
 
     dataset = StreamingDataset(local=str(root), split=split, shuffle=False, batch_size=1)
     return np.stack([dataset[i]["tokens"] for i in range(len(dataset))])
-
-
-def expected_samples(stream: list[int], block_size: int) -> np.ndarray:
-    count = (len(stream) - 1) // block_size
-    return np.array([stream[k * block_size : k * block_size + block_size + 1] for k in range(count)])
 
 
 def convert(inputs: list, out: Path, **options) -> None:
@@ -79,10 +75,6 @@ def test_split_is_reproducible_and_partitions_documents(tmp_path, gpt2):
     convert([corpus], tmp_path / "b", block_size=32, val_fraction=0.05, seed=7, txt_docs="paragraph")
     assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")
     assert [d for d in docs if is_val_document(d, 8, 0.05)] != val_docs
-
-
-def tree_bytes(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_byte_identical_for_any_worker_count(tmp_path, articles):

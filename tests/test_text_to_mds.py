@@ -8,26 +8,10 @@ import unicodedata
 
 import numpy as np
 import pytest
-from conftest import ROOT, nanogpt_stream, run_script, shakespeare_paragraphs, wikitext_articles
+from conftest import (ROOT, expected_samples, nanogpt_stream, run_script, shakespeare_paragraphs, split_samples,
+                      tree_bytes, wikitext_articles)
 
 from tokstream.format import read_metadata
-from tokstream.verify import iter_split_samples
-
-
-def samples_of(root, split="train") -> np.ndarray:
-    problems: list[str] = []
-    arrays = list(iter_split_samples(root, split, problems))
-    assert not problems
-    return np.concatenate(arrays)
-
-
-def expected(stream: list[int], block: int) -> np.ndarray:
-    count = (len(stream) - 1) // block
-    return np.array([stream[k * block : k * block + block + 1] for k in range(count)])
-
-
-def tree_bytes(root) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_dedup_drops_exact_repeats_and_counts_them(tmp_path, gpt2):
@@ -44,7 +28,7 @@ def test_dedup_drops_exact_repeats_and_counts_them(tmp_path, gpt2):
     meta = read_metadata(tmp_path / "out")
     assert meta.extra["duplicates"] == len(paragraphs) + len(repeated) - len(unique)
     assert meta.splits["train"].documents == len(unique)
-    np.testing.assert_array_equal(samples_of(tmp_path / "out"), expected(nanogpt_stream(gpt2.encoding, unique), 32))
+    np.testing.assert_array_equal(split_samples(tmp_path / "out"), expected_samples(nanogpt_stream(gpt2.encoding, unique), 32))
     assert "dropped documents" in done.stdout
 
 
@@ -58,7 +42,7 @@ def test_normalisation_and_empty_lines(tmp_path, gpt2):
                       "--out", tmp_path / "out", "--block-size", "2", "--val-fraction", "0")
     assert done.returncode == 0, done.stderr
     docs = ["Café déjà vu here", "second line"]
-    np.testing.assert_array_equal(samples_of(tmp_path / "out"), expected(nanogpt_stream(gpt2.encoding, docs), 2))
+    np.testing.assert_array_equal(split_samples(tmp_path / "out"), expected_samples(nanogpt_stream(gpt2.encoding, docs), 2))
     extra = read_metadata(tmp_path / "out").extra
     assert (extra["duplicates"], extra["empty"]) == (1, 1)
 

@@ -37,8 +37,8 @@ def add_text_arguments(parser: argparse.ArgumentParser) -> None:
 
 def conversion_options(args: argparse.Namespace) -> ConversionOptions:
     return ConversionOptions(
-        block_size=args.block_size, val_fraction=getattr(args, "val_fraction", 0.0), seed=getattr(args, "seed", 0),
-        num_workers=getattr(args, "num_workers", 1) or 1, max_docs=getattr(args, "max_docs", None),
+        block_size=args.block_size, val_fraction=args.val_fraction, seed=args.seed,
+        num_workers=args.num_workers or 1, max_docs=args.max_docs,
         shard_size=args.shard_size, compression=args.compression,
         hashes=tuple(h for h in args.hashes.split(",") if h), overwrite=args.overwrite,
         progress=not args.no_progress, staging_dir=args.staging,

@@ -64,19 +64,15 @@ class SplitWriter:
 
     def finish(self) -> SplitStats:
         stats = self.stats
-        stats.tokens, stats.samples = self.packer.tokens, self.packer.samples
-        stats.dropped_tokens = self.packer.dropped_tokens
         if self.writer is None:
             hint = " or --val-fraction 0" if self.name == "val" else ""
             raise UserError(
-                f"the {self.name} split got {stats.tokens} tokens from {stats.documents} documents, fewer "
+                f"the {self.name} split got {self.packer.tokens} tokens from {stats.documents} documents, fewer "
                 f"than one sample of block_size + 1 = {self.metadata.block_size + 1}: use more data, a "
                 f"smaller --block-size{hint}"
             )
         self.writer.finish()
-        stats.shards = len(self.writer.shards)
-        stats.bytes = sum(s["bytes"] for s in (shard["zip_data"] or shard["raw_data"] for shard in self.writer.shards))
-        return stats
+        return self.writer.split_stats(self.packer, stats.documents)
 
 
 def new_metadata(tokenizer: Tokenizer, options: ConversionOptions, description: dict) -> DatasetMetadata:
@@ -93,7 +89,7 @@ def split_names(options: ConversionOptions) -> tuple[str, ...]:
 
 
 def tokenized_batches(documents: Iterable[str], tokenizer: Tokenizer, options: ConversionOptions,
-                      dtype) -> Iterator[TokenizedBatch]:
+                      dtype, fingerprints: bool = False) -> Iterator[TokenizedBatch]:
     """Tokenized batches in input order, behind a progress bar (docs/s, tokens/s)."""
     documents = itertools.islice(documents, options.max_docs)
     started = time.monotonic()
@@ -101,7 +97,7 @@ def tokenized_batches(documents: Iterable[str], tokenizer: Tokenizer, options: C
     with tqdm(unit=" docs", desc="tokenizing", disable=not options.progress, total=options.max_docs,
               smoothing=0.1, delay=2) as bar:
         for batch in tokenize_documents(documents, tokenizer, options.seed, options.val_fraction, dtype,
-                                        options.num_workers):
+                                        options.num_workers, fingerprints):
             yield batch
             total_tokens += len(batch.train) + len(batch.val)
             bar.update(batch.train_docs + batch.val_docs)

@@ -277,6 +277,7 @@ class ShardWriter:
             level = self.compression.partition(":")[2]
             pieces = (zstd.compress(header + bytes(body), int(level or 3)),)  # as streaming's Zstandard does
             shard["zip_data"] = self._file_info(f"{basename}.zstd", *pieces)
+        shard.update(self.config)
         path = self.directory / (shard["zip_data"] or shard["raw_data"])["basename"]
         with open(path, "wb") as out:
             for piece in pieces:
@@ -288,7 +289,6 @@ class ShardWriter:
                 journal.write(json.dumps(shard, sort_keys=True) + "\n")
         if self.on_file is not None:
             self.on_file(path)
-        shard.update(self.config)
         self.shards.append(shard)
         self.pending_count = 0
 
@@ -301,9 +301,14 @@ class ShardWriter:
         if self.pending_count:
             self._flush()
         with open(self.directory / "index.json", "w") as out:
-            json.dump({"shards": [{**shard, **self.config} for shard in self.shards], "version": 2}, out,
-                      sort_keys=True)
+            json.dump({"shards": self.shards, "version": 2}, out, sort_keys=True)
         (self.directory / JOURNAL_FILE).unlink(missing_ok=True)
+
+    def split_stats(self, packer: BlockPacker, documents: int) -> SplitStats:
+        """The counts of a split this writer finished from this packer's samples."""
+        return SplitStats(documents=documents, tokens=packer.tokens, samples=packer.samples,
+                          dropped_tokens=packer.dropped_tokens, shards=len(self.shards),
+                          bytes=sum((s["zip_data"] or s["raw_data"])["bytes"] for s in self.shards))
 
 
 def read_journal(directory: str | os.PathLike) -> list[dict]:

@@ -94,7 +94,8 @@ def convert_part(source: DocumentSource, part: int, num_parts: int, out: str, to
     with staged_output(directory, overwrite=True) as staging:
         tokens = {name: open(staging.path / f"{name}.tokens", "wb") for name in names}
         records = {name: open(staging.path / f"{name}.docs", "wb") for name in names}
-        for batch in tokenized_batches(documents, tokenizer, options, token_dtype(tokenizer.vocab_size)):
+        for batch in tokenized_batches(documents, tokenizer, options, token_dtype(tokenizer.vocab_size),
+                                       fingerprints=True):
             for name, ids, lengths, prints in (("train", batch.train, batch.train_lengths, batch.train_prints),
                                                ("val", batch.val, batch.val_lengths, batch.val_prints)):
                 if len(lengths):

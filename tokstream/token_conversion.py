@@ -48,7 +48,7 @@ def pack_token_files(files: list[TokenFile], directory: Path, metadata: DatasetM
     packer.tokens, packer.samples = skip, skip // metadata.block_size
     writer = ShardWriter(directory, metadata, shard_size, compression, hashes, on_file=on_file,
                          resume_shards=done if resumable else None)
-    stats = SplitStats()
+    documents = 0
     total = sum(len(f.tokens) for f in files)
     if done:
         print(f"resuming {directory.name}: {len(done)} shards verified, continuing at token {skip:,}")
@@ -58,7 +58,7 @@ def pack_token_files(files: list[TokenFile], directory: Path, metadata: DatasetM
             for start in range(0, len(token_file.tokens), CHUNK_TOKENS):
                 chunk = np.asarray(token_file.tokens[start : start + CHUNK_TOKENS])
                 check_chunk(chunk, metadata.vocab_size, token_file, start)
-                stats.documents += int(np.count_nonzero(chunk == metadata.eot_id))
+                documents += int(np.count_nonzero(chunk == metadata.eot_id))
                 first_new = max(0, skip - (offset + start))  # tokens already in verified shards
                 if first_new < len(chunk):
                     writer.write(packer.add(chunk[first_new:]))
@@ -69,9 +69,7 @@ def pack_token_files(files: list[TokenFile], directory: Path, metadata: DatasetM
         raise UserError(f"{packer.tokens} tokens in all inputs: fewer than one sample of block_size + 1 = "
                         f"{metadata.block_size + 1}")
     writer.finish()
-    stats.tokens, stats.samples, stats.dropped_tokens = packer.tokens, packer.samples, packer.dropped_tokens
-    stats.shards = len(writer.shards)
-    stats.bytes = sum((shard["zip_data"] or shard["raw_data"])["bytes"] for shard in writer.shards)
+    stats = writer.split_stats(packer, documents)
     if resumable:
         stats_file.write_text(json.dumps(dataclasses.asdict(stats)))
     return stats

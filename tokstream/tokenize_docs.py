@@ -23,7 +23,7 @@ class TokenizedBatch:
     val: np.ndarray
     train_lengths: np.ndarray  # tokens of each document, end-of-text included, in order
     val_lengths: np.ndarray
-    train_prints: np.ndarray  # each document's 64-bit fingerprint (cleaning.fingerprint), in order
+    train_prints: np.ndarray  # each document's 64-bit fingerprint (cleaning.fingerprint), if asked for
     val_prints: np.ndarray
     chars: int
 
@@ -50,15 +50,17 @@ _WORKER_STATE: dict = {}
 
 
 def _init_worker(tokenizer_name: str, ranks_file: str | None, seed: int, val_fraction: float,
-                 dtype: np.dtype) -> None:
+                 dtype: np.dtype, fingerprints: bool) -> None:
     tokenizer = load_tokenizer(tokenizer_name, ranks_file)
-    _WORKER_STATE.update(tokenizer=tokenizer, seed=seed, val_fraction=val_fraction, dtype=dtype)
+    _WORKER_STATE.update(tokenizer=tokenizer, seed=seed, val_fraction=val_fraction, dtype=dtype,
+                         fingerprints=fingerprints)
 
 
 def _tokenize_batch(texts: list[str]) -> TokenizedBatch:
     tokenizer: Tokenizer = _WORKER_STATE["tokenizer"]
     seed, val_fraction, dtype = _WORKER_STATE["seed"], _WORKER_STATE["val_fraction"], _WORKER_STATE["dtype"]
     encode, eot = tokenizer.encoding.encode_ordinary, tokenizer.eot_id
+    with_prints = _WORKER_STATE["fingerprints"]
     ids: dict[bool, list[int]] = {False: [], True: []}
     lengths: dict[bool, list[int]] = {False: [], True: []}
     prints: dict[bool, list[int]] = {False: [], True: []}
@@ -68,7 +70,8 @@ def _tokenize_batch(texts: list[str]) -> TokenizedBatch:
         tokens.append(eot)  # nanoGPT appends <|endoftext|> after every document
         ids[to_val].extend(tokens)
         lengths[to_val].append(len(tokens))
-        prints[to_val].append(fingerprint(text))  # lets a later merge drop duplicates across parts
+        if with_prints:  # lets a later merge drop duplicates across parts
+            prints[to_val].append(fingerprint(text))
     return TokenizedBatch(
         train=np.array(ids[False], dtype=dtype), val=np.array(ids[True], dtype=dtype),
         train_lengths=np.array(lengths[False], dtype=np.int64), val_lengths=np.array(lengths[True], dtype=np.int64),
@@ -91,16 +94,17 @@ def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
 
 
 def tokenize_documents(documents: Iterable[str], tokenizer: Tokenizer, seed: int, val_fraction: float,
-                       dtype: np.dtype, num_workers: int) -> Iterator[TokenizedBatch]:
+                       dtype: np.dtype, num_workers: int, fingerprints: bool = False) -> Iterator[TokenizedBatch]:
     """Yield tokenized batches in input order; the output does not depend on num_workers."""
     if num_workers <= 1:
-        _WORKER_STATE.update(tokenizer=tokenizer, seed=seed, val_fraction=val_fraction, dtype=dtype)
+        _WORKER_STATE.update(tokenizer=tokenizer, seed=seed, val_fraction=val_fraction, dtype=dtype,
+                             fingerprints=fingerprints)
         for batch in _batches(documents):
             yield _tokenize_batch(batch)
         return
     # forkserver, not fork: the parent may be importing torch in a thread meanwhile.
     context = multiprocessing.get_context("forkserver")
-    init_args = (tokenizer.name, tokenizer.ranks_file, seed, val_fraction, dtype)
+    init_args = (tokenizer.name, tokenizer.ranks_file, seed, val_fraction, dtype, fingerprints)
     with context.Pool(num_workers, initializer=_init_worker, initargs=init_args) as pool:
         in_flight: deque = deque()
         for batch in _batches(documents):

@@ -19,7 +19,7 @@ from streaming.base.dataset import _ShardState
 
 from config import DataConfig
 from tokstream.errors import UserError
-from tokstream.format import METADATA_FILE, DatasetMetadata, read_metadata, shard_samples
+from tokstream.format import METADATA_FILE, shard_samples
 
 _LOCAL = int(_ShardState.LOCAL)  # plain ints: IntEnum comparisons are slow per sample
 _REMOTE = int(_ShardState.REMOTE)
@@ -68,13 +68,8 @@ def fetch_index_files(config: DataConfig) -> Path:
     return root
 
 
-def fetch_metadata(config: DataConfig) -> DatasetMetadata:
-    return read_metadata(fetch_index_files(config))
-
-
-def dataset_identity(config: DataConfig, split: str) -> str:
+def dataset_identity(root: Path, split: str) -> str:
     """Digest of the metadata and the split's index: a resumed run must see the very same samples."""
-    root = fetch_index_files(config)
     digest = hashlib.sha256(Path(root, METADATA_FILE).read_bytes())
     digest.update(Path(root, split, "index.json").read_bytes())
     return digest.hexdigest()[:16]

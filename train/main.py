@@ -29,7 +29,7 @@ from config import TrainConfig, load_config  # noqa: E402
 from model import GPT  # noqa: E402
 from preemption import PreemptionWatch  # noqa: E402
 from tokstream.errors import UserError  # noqa: E402
-from tokstream.format import check_compatible  # noqa: E402
+from tokstream.format import check_compatible, read_metadata  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, per GPU
 
@@ -103,9 +103,10 @@ def main() -> None:
         raise UserError(f"global_batch_size {config.global_batch_size} is not a multiple of micro_batch_size "
                         f"{config.micro_batch_size} x {world} ranks")
     accumulation = config.global_batch_size // per_step
-    metadata = data.fetch_metadata(config.data)
+    index_root = data.fetch_index_files(config.data)  # downloaded once, when remote
+    metadata = read_metadata(index_root)
     check_compatible(metadata, config.model.vocab_size, config.model.block_size, config.data.remote)
-    identity = data.dataset_identity(config.data, config.data.split)
+    identity = data.dataset_identity(index_root, config.data.split)
 
     run_dir = Path(config.run_dir)
     if master:
