@@ -1,15 +1,13 @@
 """Checkpoint files: atomic writes, newest complete one wins, damaged ones are skipped, last K kept."""
 
-import sys
 
 import torch
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "train"))
-from checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint  # noqa: E402
-from config import load_config  # noqa: E402
+from checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
+from config import load_config
 
-from tokstream.errors import UserError  # noqa: E402
+from tokstream.errors import UserError
 
 
 def test_keeps_last_k_and_ignores_interrupted_writes(tmp_path):

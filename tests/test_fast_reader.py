@@ -7,20 +7,18 @@ cache_limit with a remote dataset (shards evicted and fetched again) the samples
 import gc
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, shakespeare_paragraphs
+from conftest import shakespeare_paragraphs
 
-sys.path.insert(0, str(ROOT / "train"))
-from config import DataConfig  # noqa: E402
-from data import make_loader  # noqa: E402
+from config import DataConfig
+from data import make_loader
 
-from tokstream.cleaning import Cleaning  # noqa: E402
-from tokstream.conversion import ConversionOptions  # noqa: E402
-from tokstream.text_conversion import convert_text  # noqa: E402
+from tokstream.cleaning import Cleaning
+from tokstream.conversion import ConversionOptions
+from tokstream.text_conversion import convert_text
 
 BATCH = 8
 

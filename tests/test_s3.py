@@ -150,28 +150,71 @@ def test_a_corrupt_shard_is_rejected_by_name(proxy, corpus, tmp_path):
     assert checked.returncode == 2 and "train/shard.00001.mds: xxh64 hash mismatch" in checked.stderr
 
 
-def test_train_from_s3_preempt_and_resume_exactly(proxy, tmp_path):
-    """Same contract as a local dataset: preempted, relaunched, the same samples and losses."""
-    import test_training as training
-
-    corpus = tmp_path / "plays.txt"
+@pytest.fixture(scope="module")
+def plays_on_s3(s3, tmp_path_factory) -> str:
+    corpus = tmp_path_factory.mktemp("plays") / "plays.txt"
     corpus.write_text("\n\n".join(shakespeare_paragraphs()) + "\n")
     done = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--txt-docs", "paragraph", "--out",
                       f"s3://{BUCKET}/plays", "--block-size", "64", "--val-fraction", "0.05", "--shard-size", "64kb")
     assert done.returncode == 0, done.stderr
-    remote = f"s3://{BUCKET}/plays"
-    cache = [f"data.local={tmp_path / 'cache'}", "data.cache_limit=300kb"]  # under half the 700 kB dataset: shards get evicted
+    return f"s3://{BUCKET}/plays"
 
-    training.train(2, remote, tmp_path / "reference", *cache, "max_steps=10")
-    reference = training.trained_steps(tmp_path / "reference")
+
+def cache_settings(tmp_path) -> list[str]:
+    return [f"data.local={tmp_path / 'cache'}", "data.cache_limit=300kb"]  # under half the 700 kB dataset: evictions
+
+
+@pytest.fixture(scope="module")
+def s3_reference(plays_on_s3, tmp_path_factory) -> list[tuple]:
+    import test_training as training
+
+    tmp = tmp_path_factory.mktemp("s3_reference")
+    training.train(2, plays_on_s3, tmp / "run", *cache_settings(tmp), "max_steps=10")
+    reference = training.trained_steps(tmp / "run")
+    assert len(reference) == 10
+    return reference
+
+
+def test_train_from_s3_preempt_and_resume_exactly(s3_reference, plays_on_s3, tmp_path):
+    """Same contract as a local dataset: preempted, relaunched, the same samples and losses."""
+    import test_training as training
 
     run_dir = tmp_path / "run"
-    process = training.launch(2, remote, run_dir, *cache, "max_steps=10")
+    process = training.launch(2, plays_on_s3, run_dir, *cache_settings(tmp_path), "max_steps=10")
     training.wait_for(lambda: len(training.metrics(run_dir)) >= 4)
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
     assert "preempted" in output, output[-3000:]
-    training.train(2, remote, run_dir, *cache, "max_steps=10")
-    assert training.trained_steps(run_dir) == reference
-    assert len(reference) == 10
-    assert ROOT.exists()
+    training.train(2, plays_on_s3, run_dir, *cache_settings(tmp_path), "max_steps=10")
+    assert training.trained_steps(run_dir) == s3_reference
+
+
+def test_relaunch_after_a_hard_kill_clears_the_stale_shared_memory(s3_reference, plays_on_s3, tmp_path):
+    """A run killed together with its resource trackers (node-level kill, cgroup OOM) leaves
+    streaming's shared memory behind, which makes stock streaming refuse the relaunch; ours
+    removes those blocks at start and resumes exactly."""
+    import test_training as training
+    from stale_shm import SHM_DIR
+
+    from streaming.base.shared.prefix import _unpack_locals
+
+    run_dir = tmp_path / "run"
+    settings = [*cache_settings(tmp_path), "max_steps=10"]
+    process = training.launch(2, plays_on_s3, run_dir, *settings)
+    training.wait_for(lambda: len(training.metrics(run_dir)) >= 5)  # past the step-4 checkpoint
+    training.kill_tree(process.pid)
+    process.communicate(timeout=60)
+
+    cache = str(tmp_path / "cache")
+    stale = [p.name for p in SHM_DIR.glob("*_locals") if any(d.startswith(cache) for d in
+                                                           _unpack_locals(p.read_bytes())[0])]
+    assert stale, "the kill left no shared memory behind: the test no longer reproduces a hard kill"
+
+    refused = training.launch(2, plays_on_s3, run_dir, *settings, "data.clean_stale_shared_memory=false")
+    output, _ = refused.communicate(timeout=300)
+    assert refused.returncode != 0 and "Reused local directory" in output, output[-3000:]
+
+    output = training.train(2, plays_on_s3, run_dir, *settings)
+    assert "shared-memory blocks a killed run of this dataset left behind" in output
+    assert not any((SHM_DIR / name).exists() for name in stale)
+    assert training.trained_steps(run_dir) == s3_reference

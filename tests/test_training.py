@@ -96,17 +96,39 @@ def test_uninterrupted_run_partitions_every_global_batch(reference, dataset):
     assert reference[-1][2] < reference[0][2]  # it learns
 
 
-def worker_pids(launcher_pid: int) -> list[int]:
-    """The rank processes torchrun started (its direct children), oldest first."""
-    children = []
+def _parents() -> dict[int, int]:
+    parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
             continue
-        if int(fields[1]) == launcher_pid:
-            children.append(int(stat.parent.name))
-    return sorted(children)
+    return parents
+
+
+def worker_pids(launcher_pid: int) -> list[int]:
+    """The rank processes torchrun started (its direct children), oldest first."""
+    return sorted(pid for pid, parent in _parents().items() if parent == launcher_pid)
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL a process and all its descendants at once, as node loss or a cgroup kill does.
+
+    torchrun starts each rank in its own session, so killing torchrun's process group would
+    leave the ranks running; and each rank's multiprocessing resource tracker would unlink the
+    rank's shared memory if it outlived the rank. Everything is stopped first, so nothing reacts.
+    """
+    parents = _parents()
+    tree, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        tree += frontier
+    for signum in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in tree:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.mark.parametrize("how", ["SIGTERM to torchrun", "SIGUSR1 to one rank"])
@@ -131,33 +153,57 @@ def test_preempted_at_a_random_step_then_relaunch_resumes_exactly(reference, dat
 def test_sigkill_after_a_checkpoint_then_relaunch_resumes_exactly(reference, dataset, tmp_path):
     process = launch(2, dataset, tmp_path)
     wait_for(lambda: len(metrics(tmp_path)) >= 6)  # past the step-4 checkpoint, before step 8's
-    os.killpg(process.pid, signal.SIGKILL)  # node loss: no handler runs, shared memory is left behind
+    kill_tree(process.pid)  # node loss: no handler runs
     process.communicate(timeout=60)
-    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt"))[-1] == "ckpt-00000004.pt" or \
-        len(metrics(tmp_path)) >= 8
+    newest = sorted(tmp_path.glob("ckpt-*.pt"))[-1]
+    saved_step = int(newest.stem.split("-")[1])
+    assert saved_step <= len(metrics(tmp_path)) < STEPS  # killed mid-run, with steps past the checkpoint lost
 
     resumed = train(2, dataset, tmp_path)
-    assert "resumed from" in resumed
+    assert f"resumed from {newest} at step {saved_step}" in resumed
     assert trained_steps(tmp_path) == reference  # steps after the checkpoint were retrained, same samples
 
 
-def test_relaunch_after_crash_with_stale_shared_memory(dataset, tmp_path):
-    """A stale streaming shared-memory block (left by a crash) does not stop the next start."""
-    from multiprocessing.shared_memory import SharedMemory
+HOLD_A_DATASET = """
+import sys
+from streaming import StreamingDataset
+dataset = StreamingDataset(local=sys.argv[1], split="train", shuffle=False, batch_size=1)
+next(iter(dataset))
+print(dataset._shm_prefix_int, flush=True)
+sys.stdin.readline()
+"""
 
-    from streaming.base.constant import LOCALS
-    from streaming.base.shared.prefix import _get_path
 
-    stale = SharedMemory(_get_path(0, LOCALS), create=True, size=64)  # what a SIGKILLed run leaves
-    stale.close()
+def test_start_removes_only_unmapped_blocks_of_its_own_dataset(dataset, tmp_path):
+    """At start, training unlinks the stale streaming blocks of its own cache directories. Another
+    job reading the same dataset keeps its live blocks; an unmapped block of another dataset stays too."""
+    from stale_shm import SHM_DIR
+
+    from streaming.base.constant import BARRIER, LOCALS
+    from streaming.base.shared.prefix import _pack_locals
+
+    other_job = subprocess.Popen([sys.executable, "-c", HOLD_A_DATASET, str(dataset)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+    live = f"{int(other_job.stdout.readline()):06}"
+    fakes = {}
+    for prefix, local in ((987001, dataset / "val"), (987002, tmp_path / "elsewhere" / "train")):
+        fakes[prefix] = [SHM_DIR / f"{prefix}_{LOCALS}", SHM_DIR / f"{prefix}_{BARRIER}"]
+        fakes[prefix][0].write_bytes(_pack_locals([str(local)], prefix))  # what a killed run leaves
+        fakes[prefix][1].write_bytes(bytes(64))
     try:
-        train(2, dataset, tmp_path, "max_steps=2")
+        output = train(2, dataset, tmp_path, "max_steps=2")
+        assert "removed 2 shared-memory blocks" in output
+        assert not any(path.exists() for path in fakes[987001])  # ours and unmapped: removed
+        assert all(path.exists() for path in fakes[987002])  # another dataset's: left alone
+        assert sorted(p.name for p in SHM_DIR.glob(f"{live}_*")) == sorted(f"{live}_{n}" for n in
+                                                                        ("barrier", "cache_usage", "locals",
+                                                                         "next_epoch", "shard_access_times",
+                                                                         "shard_states"))
         assert len(metrics(tmp_path)) == 2
     finally:
-        try:
-            SharedMemory(_get_path(0, LOCALS)).unlink()
-        except FileNotFoundError:
-            pass
+        other_job.communicate("done\n", timeout=60)
+        for path in fakes[987001] + fakes[987002]:
+            path.unlink(missing_ok=True)
 
 
 def test_same_samples_whatever_num_workers(reference, dataset, tmp_path):

@@ -41,6 +41,12 @@ def local_root(config: DataConfig) -> str:
     return config.local or config.remote
 
 
+def cache_dirs(config: DataConfig) -> list[str]:
+    """The split directories StreamingDataset registers in shared memory for this run."""
+    root = local_root(config)
+    return [os.path.join(root, split) for split in (config.split, config.val_split)]
+
+
 def fetch_index_files(config: DataConfig) -> Path:
     """The directory holding metadata.json and each split's index.json, downloaded first if remote.
 

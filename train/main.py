@@ -28,6 +28,7 @@ from checkpoint import load_latest_checkpoint, save_checkpoint  # noqa: E402
 from config import TrainConfig, load_config  # noqa: E402
 from model import GPT  # noqa: E402
 from preemption import PreemptionWatch  # noqa: E402
+from stale_shm import remove_stale_shared_memory  # noqa: E402
 from tokstream.errors import UserError  # noqa: E402
 from tokstream.format import check_compatible, read_metadata  # noqa: E402
 
@@ -136,10 +137,12 @@ def main() -> None:
         torch.manual_seed(config.seed + rank)
 
     if config.data.clean_stale_shared_memory:
-        # A crashed run leaves streaming's shared memory behind; the next start would fail on it.
-        from streaming.base.util import clean_stale_shared_memory
-
-        clean_stale_shared_memory()
+        if local_rank == 0:  # once per node, before any rank registers its datasets
+            removed = remove_stale_shared_memory(data.cache_dirs(config.data))
+            if removed:
+                print(f"removed {len(removed)} shared-memory blocks a killed run of this dataset left behind")
+        if distributed:
+            dist.barrier()
     train_loader = data.make_loader(config.data, config.data.split, config.micro_batch_size, shuffle=True,
                                     pin_memory=use_cuda)
     if saved is not None:

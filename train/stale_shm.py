@@ -1,0 +1,75 @@
+"""Remove the shared memory a killed run of *this* dataset left behind, and nothing else.
+
+StreamingDataset registers each dataset on a node under a numbered prefix of shared-memory
+blocks (/dev/shm/000007_locals, _barrier, ...). A run killed with its resource trackers (node
+loss, a cgroup kill, OOM) leaves them behind, and a relaunch that reads the same remote into the
+same cache directory is refused ("Reused local directory"). streaming's own
+`clean_stale_shared_memory()` unlinks every prefix from 0 up to the first gap, including those
+of other live jobs on the node, and misses stale ones past a gap. Here a prefix is removed only
+when its `locals` block names one of our cache directories and no process maps any of its blocks.
+"""
+
+import os
+import re
+from pathlib import Path
+from tempfile import gettempdir
+
+from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN
+from streaming.base.shared.prefix import _unpack_locals
+
+SHM_DIR = Path("/dev/shm")
+_BLOCK = re.compile(r"^(\d{6})_(%s)$" % "|".join(map(re.escape, SHM_TO_CLEAN)))
+
+
+def mapped_shm_names() -> set[str]:
+    """Names of /dev/shm files that some process we can see has mapped."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process ended, or belongs to another user (whose blocks we cannot unlink)
+            continue
+        for line in text.splitlines():
+            at = line.find(" /dev/shm/")
+            if at >= 0:
+                names.add(line[at + len(" /dev/shm/"):].removesuffix(" (deleted)"))
+    return names
+
+
+def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
+    """Unlink the unmapped streaming prefixes registered for any of `local_dirs`; returns the names removed."""
+    if not SHM_DIR.is_dir():  # not Linux: nothing we can inspect safely
+        return []
+    ours = {os.path.abspath(d) for d in local_dirs}
+    prefixes: dict[str, list[str]] = {}
+    for path in SHM_DIR.iterdir():
+        match = _BLOCK.match(path.name)
+        if match:
+            prefixes.setdefault(match.group(1), []).append(path.name)
+    candidates = {}
+    for prefix, names in prefixes.items():
+        try:
+            their_locals, _ = _unpack_locals((SHM_DIR / f"{prefix}_{LOCALS}").read_bytes())
+        except (OSError, ValueError, IndexError):
+            continue  # no readable locals block: not attributable to us
+        if ours & set(their_locals):
+            candidates[prefix] = names
+    if not candidates:
+        return []
+    in_use = mapped_shm_names()
+    removed = []
+    for prefix, names in candidates.items():
+        if in_use.intersection(names):
+            continue  # a live process still uses it
+        for name in names:
+            try:
+                (SHM_DIR / name).unlink()
+                removed.append(name)
+            except (FileNotFoundError, PermissionError):
+                pass
+        for lock in (BARRIER_FILELOCK, CACHE_FILELOCK):
+            try:
+                Path(gettempdir(), f"{prefix}_{lock}").unlink(missing_ok=True)
+            except PermissionError:
+                pass
+    return sorted(removed)
