@@ -14,7 +14,7 @@ import torch
 from conftest import shakespeare_paragraphs
 
 from config import DataConfig
-from data import make_loader
+from data import collate, make_loader, to_device
 
 from tokstream.cleaning import Cleaning
 from tokstream.conversion import ConversionOptions
@@ -130,3 +130,16 @@ def test_eviction_under_a_small_cache_limit_keeps_samples_exact(dataset, tmp_pat
         os.environ.clear()
         os.environ.update(saved)
     assert torch is not None
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_tokens_reach_the_model_as_exact_int64_inputs_and_targets(dtype):
+    """The highest token ids survive the trip: no sign flip from the narrow unsigned dtype."""
+    top = np.iinfo(dtype).max
+    rows = [np.array([0, 1, 32767, 32768, 50256, top], dtype=dtype),
+            np.array([top, top - 1, 65535, 65536 % (top + 1), 7, 100000 % (top + 1)], dtype=dtype)]
+    batch = collate([{"tokens": row, "id": i} for i, row in enumerate(rows)])
+    inputs, targets = to_device(batch, torch.device("cpu"))
+    expected = torch.from_numpy(np.stack(rows).astype(np.int64))
+    assert inputs.dtype == targets.dtype == torch.int64
+    assert torch.equal(inputs, expected[:, :-1]) and torch.equal(targets, expected[:, 1:])

@@ -206,7 +206,20 @@ def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, 
     )
 
 
+_SIGNED_OF_SAME_WIDTH = {torch.uint16: torch.int16, torch.uint32: torch.int32}
+
+
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets on the device as int64, from the B + 1 token samples."""
-    tokens = batch["tokens"].to(device, non_blocking=True).long()
-    return tokens[:, :-1], tokens[:, 1:]
+    """Inputs and targets on the device as int64, from the B + 1 token samples.
+
+    Tokens cross in their stored width. They are widened on the device through a signed view of
+    the same bits and a mask, because torch's uint16/uint32 have only partial kernel support.
+    """
+    tokens = batch["tokens"]
+    signed = _SIGNED_OF_SAME_WIDTH.get(tokens.dtype)
+    if signed is None:
+        wide = tokens.to(device, non_blocking=True).long()
+    else:
+        mask = (1 << (8 * tokens.element_size())) - 1
+        wide = tokens.view(signed).to(device, non_blocking=True).long() & mask
+    return wide[:, :-1], wide[:, 1:]
