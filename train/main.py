@@ -26,14 +26,11 @@ from tqdm import tqdm  # noqa: E402
 import data  # noqa: E402
 from checkpoint import load_latest_checkpoint, save_checkpoint  # noqa: E402
 from config import TrainConfig, load_config  # noqa: E402
-from model import GPT  # noqa: E402
+from model import GPT, peak_bf16_flops  # noqa: E402
 from preemption import PreemptionWatch  # noqa: E402
 from stale_shm import remove_stale_shared_memory  # noqa: E402
 from tokstream.errors import UserError  # noqa: E402
 from tokstream.format import check_compatible, read_metadata  # noqa: E402
-
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, per GPU
-
 
 def learning_rate(step: int, config: TrainConfig) -> float:
     """Linear warmup, then cosine decay to min_lr."""
@@ -168,7 +165,7 @@ def main() -> None:
     if master:
         _truncate_metrics(metrics_path, step)
     tokens_per_step = config.global_batch_size * config.model.block_size
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if use_cuda and k in torch.cuda.get_device_name()), None)
+    peak = peak_bf16_flops() if use_cuda else None
     flops_per_token = raw_model.flops_per_token()
     if master:
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {world} ranks x {config.micro_batch_size} samples "

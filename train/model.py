@@ -8,6 +8,17 @@ import torch.nn.functional as F
 
 from config import ModelConfig
 
+# Dense bf16 tensor-core peak per GPU, by a substring of torch.cuda.get_device_name(); first match wins.
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def peak_bf16_flops() -> float | None:
+    """The current CUDA device's bf16 peak, if we know the device (for MFU)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig):
