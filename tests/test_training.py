@@ -192,7 +192,7 @@ def test_start_removes_only_unmapped_blocks_of_its_own_dataset(dataset, tmp_path
         fakes[prefix][1].write_bytes(bytes(64))
     try:
         output = train(2, dataset, tmp_path, "max_steps=2")
-        assert "removed 2 shared-memory blocks" in output
+        assert "shared-memory blocks a killed run of this dataset left behind" in output
         assert not any(path.exists() for path in fakes[987001])  # ours and unmapped: removed
         assert all(path.exists() for path in fakes[987002])  # another dataset's: left alone
         assert sorted(p.name for p in SHM_DIR.glob(f"{live}_*")) == sorted(f"{live}_{n}" for n in
