@@ -85,3 +85,37 @@ def split_samples(root, split: str = "train"):
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def kill_then_resume(script: str, args: list, out: Path, sig: int) -> str:
+    """Run a converter, send `sig` once it has saved a state mid-run, check that nothing looks
+    complete, rerun the same command and return its output. The caller compares the result."""
+    import signal
+    import time
+
+    from tokstream.conversion_state import STATE_FILE
+
+    cmd = [sys.executable, str(ROOT / script), *map(str, args), "--out", str(out), "--state-interval", "0"]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial = out.with_name(out.name + ".partial")
+    deadline = time.monotonic() + 120
+    while not (partial / STATE_FILE).exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(sig)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode != 0, "finished before the signal: the input is too small for this test"
+    assert not out.exists() and not (partial / "metadata.json").exists()
+    if sig == signal.SIGTERM:  # caught: one line, and the partial output is kept to resume from
+        assert "interrupted" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert not partial.exists()
+    return resumed.stdout
+
+
+def tagged_lines(path: Path, copies: int) -> Path:
+    """Lines of both corpora, several times over, tagged so that each line recurs in two copies."""
+    lines = [line for name in ("tinyshakespeare.txt", "wikitext2_valid.txt")
+             for line in (ROOT.parent / "shared" / "corpora" / name).read_text().splitlines()]
+    path.write_text("".join(f"{line} {copy % (copies // 2)}\n" for copy in range(copies) for line in lines))
+    return path

@@ -1,18 +1,16 @@
 """convert/owt_to_mds.py: exact token streams, determinism, inputs, interruption and bad input."""
 
 import os
+import re
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import (ROOT, expected_samples, nanogpt_stream, run_script, shakespeare_paragraphs, tree_bytes,
-                      write_jsonl)
+from conftest import (ROOT, expected_samples, kill_then_resume, nanogpt_stream, run_script, shakespeare_paragraphs,
+                      tagged_lines, tree_bytes, write_jsonl)
 
 from tokstream.conversion import ConversionOptions
 from tokstream.format import read_metadata
@@ -174,33 +172,32 @@ def test_bad_input_gets_one_line_and_no_output(tmp_path, name, files, args, mess
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_killed_conversion_never_looks_complete(tmp_path, articles, sig):
-    corpus = write_jsonl(tmp_path / "wiki.jsonl", articles * 30)
-    out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "convert/owt_to_mds.py"), "--dataset", str(corpus), "--out", str(out),
-           "--block-size", "64", "--shard-size", "64kb", "--num-workers", "1", "--no-progress",
-           "--val-fraction", "0.1"]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_killed_conversion_never_looks_complete_and_resumes_exactly(tmp_path, sig):
+    corpus = tagged_lines(tmp_path / "lines.txt", 6)
+    args = ["--dataset", corpus, "--txt-docs", "line", "--block-size", "64", "--shard-size", "64kb",
+            "--num-workers", "1", "--no-progress", "--val-fraction", "0.1"]
+    output = kill_then_resume("convert/owt_to_mds.py", args, tmp_path / "out", sig)
+    resumed_at = int(re.search(r"the first ([\d,]+) documents", output).group(1).replace(",", ""))
+    assert resumed_at > 0, output
+
+    clean = run_script("convert/owt_to_mds.py", *args, "--out", tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr
+    assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "clean")
+
+
+def test_a_rerun_with_other_settings_refuses_the_interrupted_output(tmp_path):
+    corpus = tagged_lines(tmp_path / "lines.txt", 2)
+    args = ["--dataset", corpus, "--txt-docs", "line", "--block-size", "64", "--shard-size", "64kb",
+            "--num-workers", "1", "--no-progress"]
     partial = tmp_path / "out.partial"
-    deadline = time.monotonic() + 120
-    while not list(partial.glob("train/shard.*")) and time.monotonic() < deadline:  # mid-write
-        time.sleep(0.05)
-    process.send_signal(sig)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode != 0
-    assert not out.exists()
-    if sig == signal.SIGTERM:  # caught: partial output cleaned up, one line said so
-        assert not partial.exists() and "interrupted" in stderr
-        return
-    assert partial.exists() and not (partial / "metadata.json").exists()
-    refused = subprocess.run(cmd, capture_output=True, text=True)
-    assert refused.returncode == 2 and "interrupted conversion" in refused.stderr
-    redone = subprocess.run(cmd + ["--overwrite"], capture_output=True, text=True)
+    partial.mkdir()
+    (partial / ".resume-key.json").write_text('{"inputs": "something else"}')  # what another run left
+    refused = run_script("convert/owt_to_mds.py", *args, "--out", tmp_path / "out")
+    assert refused.returncode == 2 and "interrupted conversion of other inputs or settings" in refused.stderr
+    redone = run_script("convert/owt_to_mds.py", *args, "--out", tmp_path / "out", "--overwrite")
     assert redone.returncode == 0, redone.stderr
-    assert not partial.exists()
-    convert([corpus], tmp_path / "clean", block_size=64, shard_size="64kb", val_fraction=0.1)
-    assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
+    assert not partial.exists() and (tmp_path / "out" / "metadata.json").exists()
 
 
 def test_offline_hub_dataset_is_one_clear_line(tmp_path):

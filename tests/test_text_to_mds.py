@@ -8,8 +8,8 @@ import unicodedata
 
 import numpy as np
 import pytest
-from conftest import (ROOT, expected_samples, nanogpt_stream, run_script, shakespeare_paragraphs, split_samples,
-                      tree_bytes, wikitext_articles)
+from conftest import (ROOT, expected_samples, kill_then_resume, nanogpt_stream, run_script, shakespeare_paragraphs,
+                      split_samples, tagged_lines, tree_bytes, wikitext_articles)
 
 from tokstream.format import read_metadata
 
@@ -98,6 +98,19 @@ def test_part_auto_reads_the_launcher_rank(tmp_path):
                       "--num-parts", "2", "--part", "auto", env=env)
     assert done.returncode == 0, done.stderr
     assert [p.name for p in (tmp_path / "multi.parts").iterdir()] == ["part-00001-of-00002"]
+
+
+def test_killed_one_pass_run_with_dedup_resumes_with_the_same_bytes(tmp_path):
+    """The dedup table is not saved: the resumed run rebuilds it by re-reading the input up to the
+    resume point, so it drops exactly the documents an uninterrupted run drops."""
+    corpus = tagged_lines(tmp_path / "lines.txt", 6)
+    args = [corpus, "--doc-per", "line", "--normalize", "nfc+whitespace", "--dedup", "--block-size", "64",
+            "--shard-size", "64kb", "--num-workers", "1", "--no-progress", "--val-fraction", "0.1"]
+    kill_then_resume("convert/text_to_mds.py", args, tmp_path / "out", signal.SIGKILL)
+    clean = run_script("convert/text_to_mds.py", *args, "--out", tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr
+    assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "clean")
+    assert read_metadata(tmp_path / "out").extra["duplicates"] > 0
 
 
 def test_killed_multi_part_run_resumes_by_part_with_the_same_bytes(tmp_path):

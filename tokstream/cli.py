@@ -33,6 +33,9 @@ def add_text_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=2357, help="seed of the train/val split")
     parser.add_argument("--num-workers", type=int, default=os.cpu_count(), help="tokenizer processes")
     parser.add_argument("--max-docs", type=int, default=None, help="stop after this many documents")
+    parser.add_argument("--state-interval", type=float, default=60.0,
+                        help="seconds between saves of a local one-pass conversion's state; the same command "
+                             "after a kill resumes from the last save")
 
 
 def conversion_options(args: argparse.Namespace) -> ConversionOptions:
@@ -42,6 +45,7 @@ def conversion_options(args: argparse.Namespace) -> ConversionOptions:
         shard_size=args.shard_size, compression=args.compression,
         hashes=tuple(h for h in args.hashes.split(",") if h), overwrite=args.overwrite,
         progress=not args.no_progress, staging_dir=args.staging,
+        state_interval_s=args.state_interval,
     )
 
 

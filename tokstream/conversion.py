@@ -2,17 +2,21 @@
 
 import dataclasses
 import itertools
+import json
 import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
+from tokstream.conversion_state import SplitState, discard_state, load_state, save_state
 from tokstream.errors import UserError
 from tokstream.format import (SPLITS, BlockPacker, DatasetMetadata, SplitStats, ShardWriter,
                               token_dtype, write_metadata)
+from tokstream.object_store import is_s3
 from tokstream.sources import DocumentSource
 from tokstream.staging import Staging, staged_output
 from tokstream.tokenize_docs import TokenizedBatch, tokenize_documents
@@ -32,6 +36,7 @@ class ConversionOptions:
     overwrite: bool = False
     progress: bool = True
     staging_dir: str | None = None  # local scratch for S3 outputs (default: the system temp dir)
+    state_interval_s: float = 60.0  # how often a local one-pass conversion saves its state for resuming
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -53,14 +58,33 @@ class SplitWriter:
         self.stats = SplitStats()
         self.writer = None
 
+    def _open_writer(self, shards: list[dict] | None = None) -> ShardWriter:
+        if self.writer is None:
+            self.writer = ShardWriter(self.directory, self.metadata, self.options.shard_size,
+                                      self.options.compression, list(self.options.hashes), on_file=self.on_file,
+                                      resume_shards=shards)
+        return self.writer
+
     def add(self, tokens, documents: int) -> None:
         self.stats.documents += documents
         samples = self.packer.add(tokens)
-        if len(samples) and self.writer is None:
-            self.writer = ShardWriter(self.directory, self.metadata, self.options.shard_size,
-                                      self.options.compression, list(self.options.hashes), on_file=self.on_file)
         if len(samples):
-            self.writer.write(samples)
+            self._open_writer().write(samples)
+
+    def snapshot(self) -> SplitState:
+        """Everything needed to continue this split exactly where it stands (see conversion_state)."""
+        writer = self.writer
+        buffered = (writer.body[: writer.pending_count].copy() if writer is not None
+                    else np.empty((0, self.metadata.sample_length), dtype=self.metadata.np_dtype))
+        return SplitState(shards=list(writer.shards) if writer is not None else [], documents=self.stats.documents,
+                          tokens=self.packer.tokens, samples=self.packer.samples, buffered=buffered,
+                          pending=self.packer.pending.copy())
+
+    def restore(self, state: SplitState) -> None:
+        self.stats.documents = state.documents
+        self.packer.tokens, self.packer.samples, self.packer.pending = state.tokens, state.samples, state.pending
+        if state.shards or len(state.buffered):
+            self._open_writer(state.shards).write(state.buffered)  # fewer than a shard: nothing is written yet
 
     def finish(self) -> SplitStats:
         stats = self.stats
@@ -89,13 +113,16 @@ def split_names(options: ConversionOptions) -> tuple[str, ...]:
 
 
 def tokenized_batches(documents: Iterable[str], tokenizer: Tokenizer, options: ConversionOptions,
-                      dtype, fingerprints: bool = False) -> Iterator[TokenizedBatch]:
-    """Tokenized batches in input order, behind a progress bar (docs/s, tokens/s)."""
-    documents = itertools.islice(documents, options.max_docs)
+                      dtype, fingerprints: bool = False, skip: int = 0) -> Iterator[TokenizedBatch]:
+    """Tokenized batches in input order, behind a progress bar (docs/s, tokens/s).
+
+    The first `skip` documents are read (and pass through any cleaning) but not tokenized.
+    """
+    documents = itertools.islice(itertools.islice(documents, options.max_docs), skip, None)
     started = time.monotonic()
     total_tokens = 0
     with tqdm(unit=" docs", desc="tokenizing", disable=not options.progress, total=options.max_docs,
-              smoothing=0.1, delay=2) as bar:
+              initial=skip, smoothing=0.1, delay=2) as bar:
         for batch in tokenize_documents(documents, tokenizer, options.seed, options.val_fraction, dtype,
                                         options.num_workers, fingerprints):
             yield batch
@@ -112,7 +139,18 @@ def finish_dataset(staging: Staging, metadata: DatasetMetadata, outputs: dict[st
         raise UserError("the input holds no documents: nothing to convert")
     metadata.splits = {name: output.finish() for name, output in outputs.items()}
     metadata.extra = extra
+    discard_state(staging.path)
     write_metadata(staging.path, metadata)
+
+
+def resume_key(source: DocumentSource, tokenizer: Tokenizer, options: ConversionOptions) -> dict:
+    """What must match for an interrupted one-pass conversion to be continued rather than redone."""
+    inputs = source.description
+    if inputs.get("kind") == "local":
+        inputs = {**inputs, "stat": [[os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in inputs["files"]]}
+    settings = {k: getattr(options, k) for k in ("block_size", "val_fraction", "seed", "max_docs", "shard_size",
+                                                  "compression", "hashes")}
+    return {"inputs": inputs, "tokenizer": [tokenizer.name, tokenizer.ranks_file], **settings}
 
 
 def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str, options: ConversionOptions,
@@ -120,18 +158,33 @@ def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str, op
     """Tokenize, split, pack and write; `out` appears only once everything is written.
 
     `documents` replaces iterating the source directly (a cleaning stage, say); each dataclass in
-    `reports` is recorded in the metadata's `extra` once the input is consumed.
+    `reports` is recorded in the metadata's `extra` once the input is consumed. A local output saves
+    its state every `state_interval_s`, and the same command after a kill continues from it.
     """
     options.validate()
     metadata = new_metadata(tokenizer, options, source.description)
-    with staged_output(out, options.overwrite, options.staging_dir) as staging:
+    key = None if is_s3(out) else json.loads(json.dumps(resume_key(source, tokenizer, options)))
+    with staged_output(out, options.overwrite, options.staging_dir, resume_key=key) as staging:
         outputs = {name: SplitWriter(name, staging.path / name, metadata, options, staging.on_file)
                    for name in split_names(options)}
+        next_document = 0
+        saved = load_state(staging.path) if staging.resumed else None
+        if saved is not None:
+            next_document, states = saved
+            for name, state in states.items():
+                outputs[name].restore(state)
+            print(f"resuming {out}: {sum(len(s.shards) for s in states.values())} shards verified; re-reading "
+                  f"the first {next_document:,} documents, tokenizing from there")
+        last_save = time.monotonic()
         for batch in tokenized_batches(source if documents is None else documents, tokenizer, options,
-                                       metadata.np_dtype):
+                                       metadata.np_dtype, skip=next_document):
             outputs["train"].add(batch.train, batch.train_docs)
             if batch.val_docs:
                 outputs["val"].add(batch.val, batch.val_docs)
+            next_document += batch.train_docs + batch.val_docs
+            if key is not None and time.monotonic() - last_save >= options.state_interval_s:
+                save_state(staging.path, next_document, {n: o.snapshot() for n, o in outputs.items()})
+                last_save = time.monotonic()
         extra = {"invalid_utf8_documents_replaced": source.stats.invalid_utf8_docs}
         for report in reports:
             extra.update(dataclasses.asdict(report))

@@ -218,12 +218,12 @@ class ShardWriter:
 
     def __init__(self, directory: str | os.PathLike, metadata: DatasetMetadata, shard_size: str | int,
                  compression: str | None = None, hashes: list[str] = (), on_file=None,
-                 resume_shards: list[dict] | None = None):
+                 resume_shards: list[dict] | None = None, journal: bool = False):
         self.directory = Path(directory)
         self.on_file = on_file  # told of each finished shard file (an uploader, say)
-        # With resume_shards (from read_journal) the writer continues after them; every shard it
-        # completes is recorded in JOURNAL_FILE, so a killed run can continue where it stopped.
-        self.journal = resume_shards is not None
+        # With resume_shards the writer continues after those shards. With journal, every shard it
+        # completes is recorded in JOURNAL_FILE (read_journal), so a killed run can continue there.
+        self.journal = journal
         self.directory.mkdir(parents=True, exist_ok=True)
         self.dtype = metadata.np_dtype
         self.length = metadata.sample_length
@@ -311,6 +311,15 @@ class ShardWriter:
                           bytes=sum((s["zip_data"] or s["raw_data"])["bytes"] for s in self.shards))
 
 
+def shard_file_intact(directory: str | os.PathLike, shard: dict) -> bool:
+    """Whether the file an index entry names is on disk with its recorded size and hashes."""
+    stored = shard["zip_data"] or shard["raw_data"]
+    file = Path(directory) / stored["basename"]
+    if not file.is_file() or file.stat().st_size != stored["bytes"]:
+        return False
+    return all(file_hash(algo, file.read_bytes()) == digest for algo, digest in stored["hashes"].items())
+
+
 def read_journal(directory: str | os.PathLike) -> list[dict]:
     """The shards a killed ShardWriter completed, each checked against its recorded size and hashes.
 
@@ -326,11 +335,7 @@ def read_journal(directory: str | os.PathLike) -> list[dict]:
             shard = json.loads(line)
         except json.JSONDecodeError:
             break
-        stored = shard["zip_data"] or shard["raw_data"]
-        file = Path(directory) / stored["basename"]
-        if not file.is_file() or file.stat().st_size != stored["bytes"]:
-            break
-        if any(file_hash(algo, file.read_bytes()) != digest for algo, digest in stored["hashes"].items()):
+        if not shard_file_intact(directory, shard):
             break
         shards.append(shard)
     path.write_text("".join(json.dumps(s, sort_keys=True) + "\n" for s in shards))  # drop the torn tail

@@ -47,7 +47,7 @@ def pack_token_files(files: list[TokenFile], directory: Path, metadata: DatasetM
     packer = BlockPacker(metadata.block_size, metadata.np_dtype)
     packer.tokens, packer.samples = skip, skip // metadata.block_size
     writer = ShardWriter(directory, metadata, shard_size, compression, hashes, on_file=on_file,
-                         resume_shards=done if resumable else None)
+                         resume_shards=done, journal=resumable)
     documents = 0
     total = sum(len(f.tokens) for f in files)
     if done:
