@@ -2,6 +2,7 @@
 
     python bench/train_throughput.py          # GPT-2 124M, bf16, torch.compile, on one CUDA GPU
     python bench/train_throughput.py --config configs/tiny.yaml --steps 4 --rounds 2   # CPU smoke run
+    python bench/train_throughput.py micro_batch_size=16 compile=false                 # config overrides
 
 One model, one optimizer and one loop: train/main.py's step (a forward and backward pass per
 micro-batch, gradient clipping, fused AdamW, one loss.item() sync per step). Only the batch
@@ -110,10 +111,11 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=None,
                         help="micro-batches per step (default: the config's global / micro batch)")
     parser.add_argument("--workdir", default=None, help="where to write the dataset (default: a temporary dir)")
+    parser.add_argument("overrides", nargs="*", help="config overrides, key=value, as for train/main.py")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(dir=args.workdir, ignore_cleanup_errors=True) as tmp:
-        config = load_config(args.config, [f"data.remote={Path(tmp) / 'mds'}", "data.clean_stale_shared_memory=false"])
+        config = load_config(args.config, [*args.overrides, f"data.remote={Path(tmp) / 'mds'}"])
         micro, block = config.micro_batch_size, config.model.block_size
         accumulation = args.accumulation or config.global_batch_size // micro
         bin_path, _ = build_token_files(Path(tmp), args.tokens, block)
