@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +39,21 @@ def steps(run_dir: Path) -> list[tuple]:
     return [(r["step"], r["samples"], r["loss"]) for r in map(json.loads, lines)]
 
 
+def echo_without_torchrun_signal_traceback(lines) -> None:
+    """Print a run's output, but one line for the traceback torchrun prints on every SIGTERM it forwards."""
+    held: list[str] = []
+    for line in lines:
+        if line.startswith("Traceback (most recent call last)") or held:
+            held.append(line)
+            if not line[:1].isspace() and "SignalException: " in line:  # the traceback's last line
+                print("-- torchrun forwarded SIGTERM to the ranks (it reports that with a SignalException "
+                      "traceback, hidden here)", flush=True)
+                held = []
+            continue
+        print(line, end="", flush=True)
+    print("".join(held), end="", flush=True)  # any other traceback, in full
+
+
 def main() -> None:
     if not CORPUS.is_file():
         raise SystemExit(f"error: {CORPUS} not found; pass any text file to convert/owt_to_mds.py instead")
@@ -51,7 +67,10 @@ def main() -> None:
 
     print("\n== the same run, preempted with SIGTERM after step 12, then relaunched", flush=True)
     preempted = DEMO / "run-preempted"
-    process = subprocess.Popen(torchrun(preempted), cwd=ROOT)
+    process = subprocess.Popen(torchrun(preempted), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    echo = threading.Thread(target=echo_without_torchrun_signal_traceback, args=(process.stdout,))
+    echo.start()
     metrics = preempted / "metrics.jsonl"
     while not metrics.exists() or len(metrics.read_text().splitlines()) < 12:
         if process.poll() is not None:
@@ -59,6 +78,7 @@ def main() -> None:
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)  # what Slurm, Kubernetes or a spot reclaim sends
     process.wait()
+    echo.join()
     print(f"-- torchrun exited ({process.returncode}); relaunching the very same command", flush=True)
     run(torchrun(preempted))
 
