@@ -1,12 +1,15 @@
 """Convert straight to S3 and train from S3, against a real S3 endpoint (moto's server) on 127.0.0.1."""
 
 import os
+import re
 import signal
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_script, shakespeare_paragraphs, wikitext_articles, write_jsonl
+from conftest import ROOT, run_script, shakespeare_paragraphs, tagged_lines, tree_bytes, wikitext_articles, write_jsonl
 from s3_server import FaultProxy, start_loopback_s3
+
+from tokstream.object_store import S3Dataset
 
 BUCKET = "corpora"
 
@@ -32,8 +35,6 @@ def proxy(s3):
 
 
 def keys(prefix: str) -> list[str]:
-    from tokstream.object_store import S3Dataset
-
     return sorted(S3Dataset(f"s3://{BUCKET}/{prefix}").keys())
 
 
@@ -99,16 +100,41 @@ def _token_file(tmp_path) -> list[str]:
 
 
 def test_a_conversion_that_finally_fails_leaves_nothing_readable(proxy, corpus, tmp_path):
+    """Not resumable (bin_to_mds to S3): what was uploaded is removed."""
     proxy.fail("PUT", "/shard.00003", times=-1, status=503)  # never recovers
     env = dict(os.environ, TOKSTREAM_S3_MAX_ATTEMPTS="3")  # give up sooner than the default 8
-    done = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", f"s3://{BUCKET}/broken", *CONVERT,
-                      env=env)
+    done = run_script("convert/bin_to_mds.py", *_token_file(tmp_path), "--out", f"s3://{BUCKET}/broken",
+                      "--block-size", "64", "--shard-size", "64kb", "--no-progress", env=env)
     assert done.returncode == 2
     assert "upload to s3://corpora/broken failed after retries" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    left = keys("broken")
-    assert not [k for k in left if k.endswith(("index.json", "metadata.json"))]
-    assert left == []  # uploaded shards were removed too
+    assert keys("broken") == []
+
+
+def test_a_text_conversion_that_loses_the_store_keeps_its_uploads_and_resumes(proxy, tmp_path):
+    """One-pass text to S3: the shards named by the last saved state stay, and the rerun continues
+    from them once the store is back, with the bytes of a local conversion."""
+    corpus = tagged_lines(tmp_path / "lines.txt", 2)
+    args = ["--dataset", corpus, "--txt-docs", "line", *CONVERT, "--num-workers", "1", "--state-interval", "0"]
+    proxy.fail("PUT", "/shard.00004", times=-1, status=503)
+    env = dict(os.environ, TOKSTREAM_S3_MAX_ATTEMPTS="3")
+    failed = run_script("convert/owt_to_mds.py", *args, "--out", f"s3://{BUCKET}/lines", env=env)
+    assert failed.returncode == 2
+    assert "failed after retries" in failed.stderr and "rerun the same command" in failed.stderr
+    assert len(failed.stderr.strip().splitlines()) == 1, failed.stderr
+    left = keys("lines")
+    assert ".conversion-state.npz" in left and "train/shard.00000.mds" in left
+    assert not [k for k in left if k.endswith(("index.json", "metadata.json"))]  # nothing a reader would take
+
+    proxy.clear()
+    resumed = run_script("convert/owt_to_mds.py", *args, "--out", f"s3://{BUCKET}/lines")
+    assert resumed.returncode == 0, resumed.stderr
+    assert int(re.search(r"the first ([\d,]+) documents", resumed.stdout).group(1).replace(",", "")) > 0
+    local = run_script("convert/owt_to_mds.py", *args, "--out", tmp_path / "local")
+    assert local.returncode == 0, local.stderr
+    assert sorted(keys("lines")) == sorted(tree_bytes(tmp_path / "local"))  # no state or key objects left
+    for name, data in tree_bytes(tmp_path / "local").items():
+        assert S3Dataset(f"s3://{BUCKET}/lines").get_bytes(name) == data, name
 
 
 @pytest.mark.parametrize("case,message", [
@@ -136,7 +162,6 @@ def test_start_up_errors_are_one_line_before_any_work(proxy, corpus, tmp_path, c
 def test_a_corrupt_shard_is_rejected_by_name(proxy, corpus, tmp_path):
     done = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", f"s3://{BUCKET}/corrupt", *CONVERT)
     assert done.returncode == 0, done.stderr
-    from tokstream.object_store import S3Dataset
 
     store = S3Dataset(f"s3://{BUCKET}/corrupt")
     shard = store.key("train/shard.00001.mds")

@@ -12,11 +12,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from tokstream.conversion_state import SplitState, discard_state, load_state, save_state
+from tokstream.conversion_state import STATE_FILE, SplitState, discard_state, load_state, save_state
 from tokstream.errors import UserError
 from tokstream.format import (SPLITS, BlockPacker, DatasetMetadata, SplitStats, ShardWriter,
                               token_dtype, write_metadata)
-from tokstream.object_store import is_s3
 from tokstream.sources import DocumentSource
 from tokstream.staging import Staging, staged_output
 from tokstream.tokenize_docs import TokenizedBatch, tokenize_documents
@@ -158,17 +157,18 @@ def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str, op
     """Tokenize, split, pack and write; `out` appears only once everything is written.
 
     `documents` replaces iterating the source directly (a cleaning stage, say); each dataclass in
-    `reports` is recorded in the metadata's `extra` once the input is consumed. A local output saves
-    its state every `state_interval_s`, and the same command after a kill continues from it.
+    `reports` is recorded in the metadata's `extra` once the input is consumed. The state is saved every
+    `state_interval_s` (on S3 too, once the shards it names are up), and the same command after a
+    kill continues from it.
     """
     options.validate()
     metadata = new_metadata(tokenizer, options, source.description)
-    key = None if is_s3(out) else json.loads(json.dumps(resume_key(source, tokenizer, options)))
+    key = json.loads(json.dumps(resume_key(source, tokenizer, options)))
     with staged_output(out, options.overwrite, options.staging_dir, resume_key=key) as staging:
         outputs = {name: SplitWriter(name, staging.path / name, metadata, options, staging.on_file)
                    for name in split_names(options)}
         next_document = 0
-        saved = load_state(staging.path) if staging.resumed else None
+        saved = load_state(staging.path, staging.shard_intact) if staging.resumed else None
         if saved is not None:
             next_document, states = saved
             for name, state in states.items():
@@ -182,8 +182,10 @@ def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str, op
             if batch.val_docs:
                 outputs["val"].add(batch.val, batch.val_docs)
             next_document += batch.train_docs + batch.val_docs
-            if key is not None and time.monotonic() - last_save >= options.state_interval_s:
+            if time.monotonic() - last_save >= options.state_interval_s:
                 save_state(staging.path, next_document, {n: o.snapshot() for n, o in outputs.items()})
+                if staging.publish is not None:
+                    staging.publish(staging.path / STATE_FILE)
                 last_save = time.monotonic()
         extra = {"invalid_utf8_documents_replaced": source.stats.invalid_utf8_docs}
         for report in reports:

@@ -9,12 +9,12 @@ writes (tested).
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from tokstream.format import shard_file_intact
 
 STATE_FILE = ".conversion-state.npz"
 
@@ -44,8 +44,8 @@ def save_state(directory: Path, next_document: int, splits: dict[str, SplitState
     os.replace(temporary, directory / STATE_FILE)
 
 
-def load_state(directory: Path) -> tuple[int, dict[str, SplitState]] | None:
-    """The saved state, if there is one and every shard it names is on disk intact."""
+def load_state(directory: Path, shard_intact: Callable[[str, dict], bool]) -> tuple[int, dict[str, SplitState]] | None:
+    """The saved state, if there is one and `shard_intact(split, shard)` holds for every shard it names."""
     path = directory / STATE_FILE
     if not path.is_file():
         return None
@@ -54,7 +54,7 @@ def load_state(directory: Path) -> tuple[int, dict[str, SplitState]] | None:
         splits = {name: SplitState(buffered=saved[f"{name}.buffered"], pending=saved[f"{name}.pending"], **counts)
                   for name, counts in header["splits"].items()}
     for name, split in splits.items():
-        if not all(shard_file_intact(directory / name, shard) for shard in split.shards):
+        if not all(shard_intact(name, shard) for shard in split.shards):
             return None
     return header["next_document"], splits
 

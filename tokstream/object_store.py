@@ -17,6 +17,10 @@ from tokstream.errors import UserError
 MAX_UPLOADS_IN_FLIGHT = 4  # local disk holds at most this many shards beyond the one being written
 
 
+class UploadError(UserError):
+    """An upload that failed after its retries: the store, not the input, is at fault."""
+
+
 def is_s3(path: str | os.PathLike) -> bool:
     return str(path).startswith("s3://")
 
@@ -78,13 +82,17 @@ class S3Dataset:
         except Exception as err:
             raise UserError(f"cannot write to s3://{self.bucket}/{self.prefix}: {describe_error(err)}") from None
 
-    def keys(self) -> list[str]:
-        """Every object key under the prefix, relative to it."""
-        found = []
+    def sizes(self) -> dict[str, int]:
+        """Every object under the prefix, relative to it, with its size in bytes."""
+        found = {}
         start = f"{self.prefix}/" if self.prefix else ""
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
-            found += [item["Key"][len(start):] for item in page.get("Contents", [])]
+            found.update((item["Key"][len(start):], item["Size"]) for item in page.get("Contents", []))
         return found
+
+    def keys(self) -> list[str]:
+        """Every object key under the prefix, relative to it."""
+        return list(self.sizes())
 
     def exists(self, relative: str) -> bool:
         from botocore.exceptions import ClientError
@@ -107,6 +115,15 @@ class S3Dataset:
 
     def upload(self, source: Path, relative: str) -> None:
         self.client.upload_file(str(source), self.bucket, self.key(relative))
+
+    def put_bytes(self, relative: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self.key(relative), Body=data)
+
+    def get_bytes(self, relative: str) -> bytes:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self.key(relative))["Body"].read()
+        except Exception as err:
+            raise UserError(f"cannot read {self.url}/{relative}: {describe_error(err)}") from None
 
     def delete(self, relatives: list[str]) -> None:
         for start in range(0, len(relatives), 1000):
@@ -145,16 +162,28 @@ class Uploader:
         finally:
             self.slots.release()
 
+    def wait(self) -> None:
+        """Return once every queued file is up; raise if one failed."""
+        for future in self.futures:
+            future.exception()
+        self._raise_failures()
+
+    def upload_after_queue(self, path: Path, relative: str) -> None:
+        """Upload `path` once every file queued before it is up: a record that names them comes last."""
+        self.wait()
+        try:
+            self.dataset.upload(path, relative)
+        except Exception as err:
+            raise UploadError(f"upload to {self.dataset.url} failed after retries: {describe_error(err)}") from None
+
     def _raise_failures(self) -> None:
         for future in self.futures:
             if future.done() and future.exception() is not None:
                 err = future.exception()
-                raise UserError(f"upload to {self.dataset.url} failed after retries: {describe_error(err)}")
+                raise UploadError(f"upload to {self.dataset.url} failed after retries: {describe_error(err)}")
 
     def commit(self) -> None:
-        for future in self.futures:
-            future.exception()  # wait for each
-        self._raise_failures()
+        self.wait()
         self.pool.shutdown()
         indexes = sorted(p for p in self.staging.rglob("index.json"))
         others = sorted(p for p in self.staging.rglob("*") if p.is_file() and p.name not in ("index.json",
@@ -166,11 +195,14 @@ class Uploader:
             if metadata.exists():
                 self.dataset.upload(metadata, "metadata.json")  # last: the dataset is complete from here
         except Exception as err:
-            raise UserError(f"upload to {self.dataset.url} failed after retries: {describe_error(err)}") from None
+            raise UploadError(f"upload to {self.dataset.url} failed after retries: {describe_error(err)}") from None
 
-    def abort(self) -> None:
-        """Remove what was uploaded: no index went up, but leave no orphaned shards either."""
+    def abort(self, keep: bool = False) -> None:
+        """Stop uploading; unless `keep` (a resumable run), remove what was uploaded. No index went
+        up either way, so what stays is unreadable as a dataset."""
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if keep:
+            return
         try:
             self.dataset.delete(self.uploaded)
         except Exception:

@@ -2,9 +2,11 @@
 whose indexes and metadata are uploaded last.
 
 Local: the dataset is built in `OUT.partial/` and renamed to `OUT` at the end; a killed run leaves
-`OUT.partial/`, which the next run refuses to touch without --overwrite. S3: shards are staged in a
-local temporary directory (`--staging`), uploaded as soon as each is written and deleted locally;
-the index files and then metadata.json go up last, and a failed run deletes what it uploaded.
+`OUT.partial/`, which the next run continues when its resume key matches, and otherwise refuses to
+touch without --overwrite. S3: shards are staged in a local temporary directory (`--staging`),
+uploaded as soon as each is written and deleted locally; the index files and then metadata.json go
+up last. A failed S3 run deletes what it uploaded, unless it is resumable (a resume key) and was
+interrupted or lost the store: then the objects stay, with the key, for the next run to continue.
 """
 
 import json
@@ -16,8 +18,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokstream.conversion_state import STATE_FILE
 from tokstream.errors import UserError
-from tokstream.object_store import S3Dataset, Uploader, is_s3
+from tokstream.format import shard_file_intact
+from tokstream.object_store import S3Dataset, Uploader, UploadError, is_s3
 
 
 @dataclass
@@ -26,7 +30,16 @@ class Staging:
 
     path: Path
     on_file: Callable[[Path], None] | None = None
-    resumed: bool = False  # the path holds the work of an interrupted run with the same resume key
+    resumed: bool = False  # an interrupted run with the same resume key left work to continue
+    remote_sizes: dict[str, int] | None = None  # S3: the objects found at start, by key
+    publish: Callable[[Path], None] | None = None  # S3: uploads a saved state once every shard it names is up
+
+    def shard_intact(self, split: str, shard: dict) -> bool:
+        """Whether a shard an interrupted run recorded is still there, whole."""
+        if self.remote_sizes is None:
+            return shard_file_intact(self.path / split, shard)
+        stored = shard["zip_data"] or shard["raw_data"]
+        return self.remote_sizes.get(f"{split}/{stored['basename']}") == stored["bytes"]
 
 
 RESUME_KEY_FILE = ".resume-key.json"
@@ -45,7 +58,7 @@ def staged_output(out: str | os.PathLike, overwrite: bool, staging_dir: str | No
     handed back (`resumed`), and an interruption (Ctrl-C, SIGTERM) keeps it for the next run.
     """
     if is_s3(out):
-        with _staged_s3(str(out), overwrite, staging_dir) as staging:
+        with _staged_s3(str(out), overwrite, staging_dir, resume_key) as staging:
             yield staging
         return
     out = Path(out)
@@ -85,23 +98,50 @@ def staged_output(out: str | os.PathLike, overwrite: bool, staging_dir: str | No
 
 
 @contextmanager
-def _staged_s3(url: str, overwrite: bool, staging_dir: str | None) -> Iterator[Staging]:
+def _staged_s3(url: str, overwrite: bool, staging_dir: str | None, resume_key: dict | None) -> Iterator[Staging]:
     dataset = S3Dataset(url)
     dataset.check_writable()
-    existing = dataset.keys()
+    existing = dataset.sizes()
+    resumed = False
     if existing and not overwrite:
-        what = "a dataset" if "metadata.json" in existing else "objects of an interrupted conversion"
-        raise UserError(f"{url} already holds {what}: pass --overwrite to replace it, or choose another --out")
-    dataset.delete(existing)  # metadata.json among them: training stops seeing the old dataset first
+        if "metadata.json" in existing:
+            raise UserError(f"{url} already holds a dataset: pass --overwrite to replace it, or choose another --out")
+        if (resume_key is None or RESUME_KEY_FILE not in existing
+                or json.loads(dataset.get_bytes(RESUME_KEY_FILE)) != resume_key):
+            raise UserError(f"{url} already holds objects of an interrupted conversion of other inputs or "
+                            "settings: pass --overwrite to replace them, or choose another --out")
+        resumed = True
+    if not resumed:
+        dataset.delete(list(existing))  # metadata.json among them: training stops seeing the old dataset first
+        if resume_key is not None:
+            dataset.put_bytes(RESUME_KEY_FILE, json.dumps(resume_key).encode("utf-8"))
     if staging_dir:
         Path(staging_dir).mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix="tokstream-upload-", dir=staging_dir))
+    if resumed and STATE_FILE in existing:
+        dataset.download(STATE_FILE, staging / STATE_FILE)
     uploader = Uploader(dataset, staging)
     try:
-        yield Staging(staging, uploader.shard_written)
+        yield Staging(staging, uploader.shard_written, resumed=resumed, remote_sizes=existing if resumed else None,
+                      publish=lambda path: uploader.upload_after_queue(path, STATE_FILE))
         uploader.commit()
-    except BaseException:
-        uploader.abort()
+    except BaseException as err:
+        keep = resume_key is not None and isinstance(err, (KeyboardInterrupt, UploadError))
+        uploader.abort(keep=keep)
+        if keep and isinstance(err, UploadError):
+            raise UploadError(f"{err}; what was uploaded stays: rerun the same command to resume from it, or "
+                              "pass --overwrite to start over") from None
+        if not keep and resume_key is not None:  # with what an earlier, resumed run left
+            _delete_quietly(dataset, [RESUME_KEY_FILE, STATE_FILE, *(existing if resumed else [])])
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    if resume_key is not None:
+        _delete_quietly(dataset, [RESUME_KEY_FILE, STATE_FILE])  # the dataset is complete: no longer needed
+
+
+def _delete_quietly(dataset: S3Dataset, relatives: list[str]) -> None:
+    try:
+        dataset.delete(relatives)
+    except Exception:
+        pass  # leftovers beside a dataset or an aborted run are harmless; the next run replaces them
