@@ -99,7 +99,8 @@ def main() -> None:
           f"{nbytes / conv_s / 1e6:6.2f} MB/s")
     print(f"  same, state saved every batch    : {saving_s:7.2f} s  {tokens / saving_s / 1e6:6.2f} M tok/s  "
           f"{nbytes / saving_s / 1e6:6.2f} MB/s")
-    print(f"ratio_converter_vs_raw_tokenizer={raw_s / conv_s:.2f} ratio_state_every_batch_vs_default={conv_s / saving_s:.2f}")
+    print(f"ratio_converter_vs_raw_tokenizer={raw_s / conv_s:.2f} "
+          f"ratio_state_every_batch_vs_default={conv_s / saving_s:.2f}")
     print(f"peak RSS (largest process): {rss_half:.0f} MB at {args.mb // 2} MB of text, "
           f"{rss_full:.0f} MB at {args.mb} MB of text")
 

@@ -152,7 +152,8 @@ def main() -> None:
         peak = peak_bf16_flops() if use_cuda else None
         flops_per_token = raw_model.flops_per_token()
         where = torch.cuda.get_device_name() if use_cuda else "cpu"
-        print(f"device {where}; GPT {raw_model.num_params() / 1e6:.1f}M parameters; {config.dtype if use_cuda else 'float32'}"
+        precision = config.dtype if use_cuda else "float32"
+        print(f"device {where}; GPT {raw_model.num_params() / 1e6:.1f}M parameters; {precision}"
               f"{', compiled' if config.compile else ''}; {micro} x {block} tokens x {accumulation} micro-batches "
               f"= {micro * block * accumulation:,} tokens/step; {args.rounds} rounds x {args.steps} steps per source")
         print(f"{'source':24s} {'tokens/s':>12s} {'MFU':>7s} {'data_wait':>10s} {'host_wait':>10s}")

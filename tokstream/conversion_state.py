@@ -44,7 +44,8 @@ def save_state(directory: Path, next_document: int, splits: dict[str, SplitState
     os.replace(temporary, directory / STATE_FILE)
 
 
-def load_state(directory: Path, shard_intact: Callable[[str, dict], bool]) -> tuple[int, dict[str, SplitState]] | None:
+def load_state(directory: Path,
+               shard_intact: Callable[[str, dict], bool]) -> tuple[int, dict[str, SplitState]] | None:
     """The saved state, if there is one and `shard_intact(split, shard)` holds for every shard it names."""
     path = directory / STATE_FILE
     if not path.is_file():

@@ -32,6 +32,7 @@ from stale_shm import remove_stale_shared_memory  # noqa: E402
 from tokstream.errors import UserError  # noqa: E402
 from tokstream.format import check_compatible, read_metadata  # noqa: E402
 
+
 def learning_rate(step: int, config: TrainConfig) -> float:
     """Linear warmup, then cosine decay to min_lr."""
     optim = config.optim
