@@ -3,6 +3,9 @@
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -36,6 +39,15 @@ def proxy(s3):
 
 def keys(prefix: str) -> list[str]:
     return sorted(S3Dataset(f"s3://{BUCKET}/{prefix}").keys())
+
+
+def assert_store_holds_exactly(prefix: str, root) -> None:
+    """The objects under the prefix are the files of a local dataset, byte for byte, and nothing else."""
+    expected = tree_bytes(root)
+    assert keys(prefix) == sorted(expected)  # no state or resume-key objects left either
+    store = S3Dataset(f"s3://{BUCKET}/{prefix}")
+    for name, data in expected.items():
+        assert store.get_bytes(name) == data, name
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +144,29 @@ def test_a_text_conversion_that_loses_the_store_keeps_its_uploads_and_resumes(pr
     assert int(re.search(r"the first ([\d,]+) documents", resumed.stdout).group(1).replace(",", "")) > 0
     local = run_script("convert/owt_to_mds.py", *args, "--out", tmp_path / "local")
     assert local.returncode == 0, local.stderr
-    assert sorted(keys("lines")) == sorted(tree_bytes(tmp_path / "local"))  # no state or key objects left
-    for name, data in tree_bytes(tmp_path / "local").items():
-        assert S3Dataset(f"s3://{BUCKET}/lines").get_bytes(name) == data, name
+    assert_store_holds_exactly("lines", tmp_path / "local")
+
+
+def test_a_text_conversion_killed_mid_upload_resumes_with_the_same_bytes(proxy, tmp_path):
+    corpus = tagged_lines(tmp_path / "lines.txt", 2)
+    args = ["--dataset", corpus, "--txt-docs", "line", *CONVERT, "--num-workers", "1", "--state-interval", "0",
+            "--out", f"s3://{BUCKET}/killed"]
+    process = subprocess.Popen([sys.executable, str(ROOT / "convert/owt_to_mds.py"), *map(str, args)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while ".conversion-state.npz" not in keys("killed") and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.kill()  # SIGKILL: no handler runs, uploads in flight are cut off
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    assert "metadata.json" not in keys("killed")
+
+    resumed = run_script("convert/owt_to_mds.py", *args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming s3://" in resumed.stdout
+    local = run_script("convert/owt_to_mds.py", *args[:-2], "--out", tmp_path / "local")
+    assert local.returncode == 0, local.stderr
+    assert_store_holds_exactly("killed", tmp_path / "local")
 
 
 @pytest.mark.parametrize("case,message", [
