@@ -17,7 +17,7 @@ from tokstream.errors import UserError
 from tokstream.format import (SPLITS, BlockPacker, DatasetMetadata, SplitStats, ShardWriter,
                               token_dtype, write_metadata)
 from tokstream.sources import DocumentSource
-from tokstream.staging import Staging, staged_output
+from tokstream.staging import Staging, file_stamp, staged_output
 from tokstream.tokenize_docs import TokenizedBatch, tokenize_documents
 from tokstream.tokenizer import Tokenizer
 
@@ -143,13 +143,17 @@ def finish_dataset(staging: Staging, metadata: DatasetMetadata, outputs: dict[st
 
 
 def resume_key(source: DocumentSource, tokenizer: Tokenizer, options: ConversionOptions) -> dict:
-    """What must match for an interrupted one-pass conversion to be continued rather than redone."""
+    """What must match for an interrupted one-pass conversion to be continued rather than redone.
+
+    In its JSON form (tuples as lists), as it is compared with the copy the interrupted run stored.
+    """
     inputs = source.description
     if inputs.get("kind") == "local":
-        inputs = {**inputs, "stat": [[os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in inputs["files"]]}
+        inputs = {**inputs, "stat": [file_stamp(f) for f in inputs["files"]]}
     settings = {k: getattr(options, k) for k in ("block_size", "val_fraction", "seed", "max_docs", "shard_size",
                                                   "compression", "hashes")}
-    return {"inputs": inputs, "tokenizer": [tokenizer.name, tokenizer.ranks_file], **settings}
+    key = {"inputs": inputs, "tokenizer": [tokenizer.name, tokenizer.ranks_file], **settings}
+    return json.loads(json.dumps(key))
 
 
 def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str, options: ConversionOptions,
@@ -163,7 +167,7 @@ def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str, op
     """
     options.validate()
     metadata = new_metadata(tokenizer, options, source.description)
-    key = json.loads(json.dumps(resume_key(source, tokenizer, options)))
+    key = resume_key(source, tokenizer, options)
     with staged_output(out, options.overwrite, options.staging_dir, resume_key=key) as staging:
         outputs = {name: SplitWriter(name, staging.path / name, metadata, options, staging.on_file)
                    for name in split_names(options)}

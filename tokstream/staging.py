@@ -45,6 +45,12 @@ class Staging:
 RESUME_KEY_FILE = ".resume-key.json"
 
 
+def file_stamp(path: str | os.PathLike) -> list[int]:
+    """Size and modification time of an input, for a resume key: a changed input is not resumed."""
+    stat = os.stat(path)
+    return [stat.st_size, stat.st_mtime_ns]
+
+
 def partial_path(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 

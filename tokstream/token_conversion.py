@@ -17,7 +17,7 @@ from tokstream.errors import UserError
 from tokstream.format import (METADATA_FILE, BlockPacker, DatasetMetadata, ShardWriter, SplitStats,
                               read_journal, read_metadata, token_dtype, write_metadata)
 from tokstream.object_store import is_s3
-from tokstream.staging import staged_output
+from tokstream.staging import file_stamp, staged_output
 from tokstream.token_files import TokenFile, check_chunk
 
 CHUNK_TOKENS = 1 << 24  # 32 MB of uint16 per read
@@ -77,7 +77,7 @@ def pack_token_files(files: list[TokenFile], directory: Path, metadata: DatasetM
 
 def resume_key(files_by_split: dict[str, list[TokenFile]], settings: dict) -> dict:
     """What must match for an interrupted conversion to be continued rather than redone."""
-    inputs = {split: [[str(f.path), f.path.stat().st_size, f.path.stat().st_mtime_ns, f.format] for f in files]
+    inputs = {split: [[str(f.path), *file_stamp(f.path), f.format] for f in files]
               for split, files in files_by_split.items()}
     return {"inputs": inputs, **settings}
 
