@@ -6,7 +6,7 @@
 
 All three read the same shards, shuffled 1,025-token uint16 samples, batch 16, one process (plus
 its DataLoader workers), and are timed over the same number of batches after the first:
-- project: train/data.py's TokenDataset + StreamingDataLoader, as train/main.py builds them;
+- project: tokstream/train's TokenDataset + StreamingDataLoader, as train/main.py builds them;
 - stock:   streaming.StreamingDataset + StreamingDataLoader with the default collate;
 - memmap:  nanoGPT's get_batch (memmap per batch, torch.randint offsets, int64 x and y) on the
            same shards' token regions.
@@ -22,8 +22,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-for folder in ("", "train", "bench", "tests"):
-    sys.path.insert(0, str(ROOT / folder))
+sys.path.insert(0, str(ROOT))  # run from a clone without installing; bench/ itself is the script's folder
 
 BATCH = 16
 
@@ -53,8 +52,8 @@ def timed_batches(batches, count: int) -> float:
 
 
 def project_loader(remote: str, local: str | None, workers: int):
-    from config import DataConfig
-    from data import make_loader
+    from tokstream.train.config import DataConfig
+    from tokstream.train.data import make_loader
 
     config = DataConfig(remote=remote, local=local, num_workers=workers, predownload=2048)
     return make_loader(config, "train", BATCH, shuffle=True, pin_memory=False)
@@ -96,8 +95,6 @@ def main() -> None:
     parser.add_argument("--remote", action="store_true", help="also measure from S3 on loopback, cold cache")
     args = parser.parse_args()
 
-    from streaming.base.util import clean_stale_shared_memory
-
     # Download-ahead threads may still be filling a cache when the directory is removed.
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         root = Path(args.data) if args.data else Path(tmp) / "ds"
@@ -105,9 +102,7 @@ def main() -> None:
             build_dataset(root, args.tokens)
         rates: dict[str, float] = {}
         for workers in (0, 1, 2):
-            clean_stale_shared_memory()
             rates[f"project workers={workers}"] = timed_batches(project_loader(str(root), None, workers), args.batches)
-            clean_stale_shared_memory()
             rates[f"stock   workers={workers}"] = timed_batches(stock_loader(str(root), None, workers), args.batches)
         rates["memmap get_batch"] = timed_batches(memmap_batches(root), args.batches)
         report("local dataset", rates)
@@ -129,8 +124,6 @@ def report(title: str, rates: dict[str, float]) -> None:
 def remote_rates(root: Path, tmp: Path, batches: int, memmap_rate: float) -> None:
     """The same dataset uploaded to S3 on 127.0.0.1, each loader from its own cold cache."""
     from s3_server import start_loopback_s3
-    from streaming.base.util import clean_stale_shared_memory
-
     from tokstream.object_store import S3Dataset
 
     start_loopback_s3("bench")  # stays up until the process ends (see below)
@@ -140,10 +133,8 @@ def remote_rates(root: Path, tmp: Path, batches: int, memmap_rate: float) -> Non
             store.upload(path, path.relative_to(root).as_posix())
     rates = {}
     workers = 0  # the default, by the local measurement
-    clean_stale_shared_memory()
     rates[f"project workers={workers}"] = timed_batches(project_loader("s3://bench/ds", str(tmp / "c1"), workers),
                                                         batches)
-    clean_stale_shared_memory()
     rates[f"stock   workers={workers}"] = timed_batches(stock_loader("s3://bench/ds", str(tmp / "c2"), workers),
                                                         batches)
     rates["memmap get_batch"] = memmap_rate  # local, from the run above: the ceiling

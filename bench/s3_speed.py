@@ -20,10 +20,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "train"))
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # run from a clone without installing; bench/ itself is the script's folder
 
 
 def convert(corpus: Path, out: str) -> float:
@@ -36,8 +33,8 @@ def convert(corpus: Path, out: str) -> float:
 
 def read(remote: str, local: Path | None, batches: int, block: int = 1024, batch: int = 16) -> tuple[float, float]:
     """Seconds to the first batch, and tokens/s over the following `batches` batches."""
-    from config import DataConfig
-    from data import make_loader
+    from tokstream.train.config import DataConfig
+    from tokstream.train.data import make_loader
 
     config = DataConfig(remote=remote, local=str(local) if local else None)  # defaults, as training uses
     started = time.perf_counter()
@@ -63,12 +60,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from convert_speed import build_corpus
-    from s3_server import start_loopback_s3
+    from tokstream.testing.loopback_s3 import start_loopback_s3
 
     start_loopback_s3("bench")
-    from streaming.base.util import clean_stale_shared_memory
-
-    clean_stale_shared_memory()
     # Download-ahead threads may still be filling a cache when the directory is removed.
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         tmp = Path(tmp)

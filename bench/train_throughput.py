@@ -1,16 +1,16 @@
-"""Training throughput fed by train/data.py's loader vs nanoGPT's get_batch, on the same model.
+"""Training throughput fed by tokstream/train/data.py's loader vs nanoGPT's get_batch, on the same model.
 
     python bench/train_throughput.py          # GPT-2 124M, bf16, torch.compile, on one CUDA GPU
     python bench/train_throughput.py --config configs/tiny.yaml --steps 4 --rounds 2   # CPU smoke run
     python bench/train_throughput.py micro_batch_size=16 compile=false                 # config overrides
 
-One model, one optimizer and one loop: train/main.py's step (a forward and backward pass per
+One model, one optimizer and one loop: tokstream/train/trainer.py's step (a forward and backward pass per
 micro-batch, gradient clipping, fused AdamW, one loss.item() sync per step). Only the batch
 source differs:
 - resident: one batch already on the device, reused: the loop with no data loading at all;
 - memmap:   nanoGPT's get_batch on a train.bin (a memmap per call, random offsets, int64 x and y,
             pinned and copied without blocking);
-- project:  the same tokens converted to MDS, read shuffled through train/data.py's loader with
+- project:  the same tokens converted to MDS, read shuffled through tokstream/train/data.py's loader with
             the settings train/main.py uses, then data.to_device.
 The sources take turns in rounds, so clock or thermal drift affects all three equally.
 data_wait = 1 - (tokens/s of the source) / (tokens/s of resident): the share of step time
@@ -30,12 +30,11 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-for folder in ("", "train"):
-    sys.path.insert(0, str(ROOT / folder))
+sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
-import data  # noqa: E402
-from config import load_config  # noqa: E402
-from model import GPT, peak_bf16_flops  # noqa: E402
+from tokstream.train import data  # noqa: E402
+from tokstream.train.config import load_config  # noqa: E402
+from tokstream.train.model import GPT, peak_bf16_flops  # noqa: E402
 
 GPT2_VOCAB, GPT2_EOT = 50257, 50256
 
@@ -68,7 +67,7 @@ def memmap_source(bin_path: Path, batch: int, block: int, device: torch.device):
 
 
 def project_source(config, batch: int, device: torch.device):
-    """train/main.py's loader: StreamingDataLoader over TokenDataset, epoch after epoch."""
+    """The trainer's loader: StreamingDataLoader over TokenDataset, epoch after epoch."""
     loader = data.make_loader(config.data, config.data.split, batch, shuffle=True, pin_memory=device.type == "cuda")
 
     def batches():

@@ -4,10 +4,9 @@
 import torch
 from conftest import ROOT
 
-from checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
-from config import load_config
-
 from tokstream.errors import UserError
+from tokstream.train.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
+from tokstream.train.config import load_config
 
 
 def test_keeps_last_k_and_ignores_interrupted_writes(tmp_path):

@@ -1,4 +1,4 @@
-"""The project's fast reader (train/data.py TokenDataset) against stock StreamingDataset.
+"""The project's fast reader (tokstream/train/token_dataset.py) against stock StreamingDataset.
 
 Same samples, same order, for several seeds, worker counts and resume points; under a small
 cache_limit with a remote dataset (shards evicted and fetched again) the samples stay exact.
@@ -13,12 +13,11 @@ import pytest
 import torch
 from conftest import shakespeare_paragraphs
 
-from config import DataConfig
-from data import collate, make_loader, to_device
-
 from tokstream.cleaning import Cleaning
 from tokstream.conversion import ConversionOptions
 from tokstream.text_conversion import convert_text
+from tokstream.train.config import DataConfig
+from tokstream.train.data import collate, make_loader, to_device
 
 BATCH = 8
 
@@ -97,9 +96,8 @@ def test_resume_points_continue_like_stock(dataset, tmp_path, resume_after):
 
 def test_eviction_under_a_small_cache_limit_keeps_samples_exact(dataset, tmp_path):
     """From S3 on loopback with a cache far smaller than the 11 shards: shards are evicted and fetched again."""
-    from s3_server import start_loopback_s3
-
     from tokstream.object_store import S3Dataset
+    from tokstream.testing.loopback_s3 import start_loopback_s3
 
     saved = dict(os.environ)
     server = start_loopback_s3("evict")

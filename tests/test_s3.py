@@ -10,9 +10,8 @@ import time
 import numpy as np
 import pytest
 from conftest import ROOT, run_script, shakespeare_paragraphs, tagged_lines, tree_bytes, wikitext_articles, write_jsonl
-from s3_server import FaultProxy, start_loopback_s3
-
 from tokstream.object_store import S3Dataset
+from tokstream.testing.loopback_s3 import FaultProxy, start_loopback_s3
 
 BUCKET = "corpora"
 
@@ -251,9 +250,9 @@ def test_relaunch_after_a_hard_kill_clears_the_stale_shared_memory(s3_reference,
     streaming's shared memory behind, which makes stock streaming refuse the relaunch; ours
     removes those blocks at start and resumes exactly."""
     import test_training as training
-    from stale_shm import SHM_DIR
 
-    from streaming.base.shared.prefix import _unpack_locals
+    from tokstream.train.stale_shm import SHM_DIR
+    from tokstream.train.streaming_internals import locals_of_block
 
     run_dir = tmp_path / "run"
     settings = [*cache_settings(tmp_path), "max_steps=10"]
@@ -264,7 +263,7 @@ def test_relaunch_after_a_hard_kill_clears_the_stale_shared_memory(s3_reference,
 
     cache = str(tmp_path / "cache")
     stale = [p.name for p in SHM_DIR.glob("*_locals") if any(d.startswith(cache) for d in
-                                                           _unpack_locals(p.read_bytes())[0])]
+                                                           locals_of_block(p.read_bytes()))]
     assert stale, "the kill left no shared memory behind: the test no longer reproduces a hard kill"
 
     refused = training.launch(2, plays_on_s3, run_dir, *settings, "data.clean_stale_shared_memory=false")

@@ -167,9 +167,10 @@ def test_sigkill_after_a_checkpoint_then_relaunch_resumes_exactly(reference, dat
 HOLD_A_DATASET = """
 import sys
 from streaming import StreamingDataset
+from tokstream.train.streaming_internals import shm_prefix
 dataset = StreamingDataset(local=sys.argv[1], split="train", shuffle=False, batch_size=1)
 next(iter(dataset))
-print(dataset._shm_prefix_int, flush=True)
+print(shm_prefix(dataset), flush=True)
 sys.stdin.readline()
 """
 
@@ -177,18 +178,16 @@ sys.stdin.readline()
 def test_start_removes_only_unmapped_blocks_of_its_own_dataset(dataset, tmp_path):
     """At start, training unlinks the stale streaming blocks of its own cache directories. Another
     job reading the same dataset keeps its live blocks; an unmapped block of another dataset stays too."""
-    from stale_shm import SHM_DIR
-
-    from streaming.base.constant import BARRIER, LOCALS
-    from streaming.base.shared.prefix import _pack_locals
+    from tokstream.train.stale_shm import SHM_DIR
+    from tokstream.train.streaming_internals import LOCALS_BLOCK, locals_block
 
     other_job = subprocess.Popen([sys.executable, "-c", HOLD_A_DATASET, str(dataset)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
     live = f"{int(other_job.stdout.readline()):06}"
     fakes = {}
     for prefix, local in ((987001, dataset / "val"), (987002, tmp_path / "elsewhere" / "train")):
-        fakes[prefix] = [SHM_DIR / f"{prefix}_{LOCALS}", SHM_DIR / f"{prefix}_{BARRIER}"]
-        fakes[prefix][0].write_bytes(_pack_locals([str(local)], prefix))  # what a killed run leaves
+        fakes[prefix] = [SHM_DIR / f"{prefix}_{LOCALS_BLOCK}", SHM_DIR / f"{prefix}_barrier"]
+        fakes[prefix][0].write_bytes(locals_block([str(local)], prefix))  # what a killed run leaves
         fakes[prefix][1].write_bytes(bytes(64))
     try:
         output = train(2, dataset, tmp_path, "max_steps=2")

@@ -1,4 +1,4 @@
-"""The one exception type a user should see as a single line, never a traceback."""
+"""The errors a user should see as a single line, never a traceback, and the wrapper that prints them."""
 
 import signal
 import sys
@@ -10,16 +10,31 @@ class UserError(Exception):
     """Bad input or environment: the message says what is wrong and what to do."""
 
 
-def run_cli(main: Callable[[], object]) -> NoReturn:
-    """Run a CLI entry point; turn UserError, Ctrl-C and SIGTERM into one line and a non-zero exit."""
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # so cleanup runs as for Ctrl-C
+class StoreError(Exception):
+    """The storage service failed after its retries: the input is fine, the store is at fault."""
+
+
+CONVERSION_INTERRUPTED = "interrupted: the output was not completed (see README: what resumes and what restarts)"
+
+
+def run_cli(main: Callable[[], object], *, sigterm_interrupts: bool = True, report: bool = True,
+            interrupted: str = CONVERSION_INTERRUPTED) -> NoReturn:
+    """Run a CLI entry point; turn UserError, StoreError and Ctrl-C into one line and a non-zero exit.
+
+    `sigterm_interrupts`: treat SIGTERM like Ctrl-C, so cleanup runs (converters); training handles
+    SIGTERM itself, as a preemption. `report`: print the line (training: on rank 0 only).
+    """
+    if sigterm_interrupts:
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         main()
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (UserError, StoreError) as err:
+        if report:
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("interrupted: the output was not completed (see README: what resumes and what restarts)", file=sys.stderr)
+        if report:
+            print(interrupted, file=sys.stderr)
         sys.exit(130)
     sys.exit(0)
 

@@ -48,6 +48,14 @@ def column_encoding(dtype: np.dtype, block_size: int) -> str:
     return f"ndarray:{np.dtype(dtype).name}:{sample_length(block_size)}"
 
 
+def parse_column_encoding(encoding: str) -> tuple[np.dtype, int]:
+    """The token dtype and sample length of a tokens column encoding (the inverse of column_encoding)."""
+    kind, dtype, length = encoding.split(":")
+    if kind != "ndarray":
+        raise ValueError(f"column encoding {encoding!r} is not this format's ndarray:<dtype>:<length>")
+    return np.dtype(dtype), int(length)
+
+
 @dataclass
 class SplitStats:
     """Counts for one split, filled in while it is written."""

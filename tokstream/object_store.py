@@ -12,12 +12,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
 
-from tokstream.errors import UserError
+from tokstream.errors import StoreError, UserError
 
 MAX_UPLOADS_IN_FLIGHT = 4  # local disk holds at most this many shards beyond the one being written
 
 
-class UploadError(UserError):
+class UploadError(StoreError):
     """An upload that failed after its retries: the store, not the input, is at fault."""
 
 

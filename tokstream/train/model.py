@@ -1,12 +1,14 @@
 """GPT-2: pre-LayerNorm transformer, GELU MLP, tied input/output embeddings, flash attention via SDPA."""
 
+import dataclasses
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from config import ModelConfig
+from tokstream.errors import UserError
+from tokstream.train.config import ModelConfig
 
 # Dense bf16 tensor-core peak per GPU, by a substring of torch.cuda.get_device_name(); first match wins.
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -18,6 +20,12 @@ def peak_bf16_flops() -> float | None:
         return None
     name = torch.cuda.get_device_name()
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def check_same_architecture(saved: dict, config: ModelConfig) -> None:
+    """A checkpoint's weights fit only the architecture they were trained with."""
+    if saved != dataclasses.asdict(config):
+        raise UserError("the model config differs from the checkpoint's; use a new run_dir")
 
 
 class CausalSelfAttention(nn.Module):

@@ -14,11 +14,11 @@ import re
 from pathlib import Path
 from tempfile import gettempdir
 
-from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN
-from streaming.base.shared.prefix import _unpack_locals
+from tokstream.train.streaming_internals import (LOCALS_BLOCK, LOCK_FILE_SUFFIXES, SHM_BLOCK_SUFFIXES,
+                                                 locals_of_block)
 
 SHM_DIR = Path("/dev/shm")
-_BLOCK = re.compile(r"^(\d{6})_(%s)$" % "|".join(map(re.escape, SHM_TO_CLEAN)))
+_BLOCK = re.compile(r"^(\d{6})_(%s)$" % "|".join(map(re.escape, SHM_BLOCK_SUFFIXES)))
 
 
 def mapped_shm_names() -> set[str]:
@@ -49,7 +49,7 @@ def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
     candidates = {}
     for prefix, names in prefixes.items():
         try:
-            their_locals, _ = _unpack_locals((SHM_DIR / f"{prefix}_{LOCALS}").read_bytes())
+            their_locals = locals_of_block((SHM_DIR / f"{prefix}_{LOCALS_BLOCK}").read_bytes())
         except (OSError, ValueError, IndexError):
             continue  # no readable locals block: not attributable to us
         if ours & set(their_locals):
@@ -67,7 +67,7 @@ def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
                 removed.append(name)
             except (FileNotFoundError, PermissionError):
                 pass
-        for lock in (BARRIER_FILELOCK, CACHE_FILELOCK):
+        for lock in LOCK_FILE_SUFFIXES:
             try:
                 Path(gettempdir(), f"{prefix}_{lock}").unlink(missing_ok=True)
             except PermissionError:

@@ -1,28 +1,26 @@
 """Training data: the converters' MDS datasets through StreamingDataset and StreamingDataLoader.
 
 Partitioning over ranks and workers, shuffling, download-ahead and resumption are streaming's;
-this module only chooses the arguments, adds the global sample id to each sample (for tracing
-and tests), and collates uint16 tokens without widening them on the host.
+this module only chooses the arguments, checks that a resumed run reads the same sample order,
+and collates uint16 tokens without widening them on the host. Samples themselves come from
+TokenDataset.get_item (token_dataset.py).
 """
 
 import hashlib
 import os
 import signal
-import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from streaming import StreamingDataLoader, StreamingDataset
-from streaming.base.constant import TICK
-from streaming.base.dataset import _ShardState
+from streaming import StreamingDataLoader
 
-from config import DataConfig
 from tokstream.errors import UserError
-from tokstream.format import METADATA_FILE, shard_samples
-
-_LOCAL = int(_ShardState.LOCAL)  # plain ints: IntEnum comparisons are slow per sample
-_REMOTE = int(_ShardState.REMOTE)
+from tokstream.format import METADATA_FILE, DatasetMetadata, check_compatible, read_metadata
+from tokstream.train.config import DataConfig
+from tokstream.train.token_dataset import TokenDataset
 
 
 def is_remote(path: str) -> bool:
@@ -81,92 +79,61 @@ def dataset_identity(root: Path, split: str) -> str:
     return digest.hexdigest()[:16]
 
 
-class TokenDataset(StreamingDataset):
-    """Stock StreamingDataset with a per-sample path for this format's fixed-size token samples.
+@dataclass(frozen=True)
+class TrainingDataset:
+    """A converted dataset as training sees it: its metadata and the identity of its train split."""
 
-    Stock `get_item` opens, seeks and reads the shard file and parses the column encodings for
-    every sample. Here each local shard is memory-mapped once (per process) and a sample is a
-    slice of it, no copy. Everything else stays streaming's: sample order, partitioning, resume
-    state, download-ahead, eviction and hash checks. A shard that is not LOCAL in streaming's
-    shared state (not downloaded yet, being downloaded, or evicted) goes through stock `get_item`,
-    which fetches it, and is mapped afresh afterwards; a mapping is dropped the moment its shard
-    stops being LOCAL, so an evicted file is never read and its disk space is really freed.
-    """
+    metadata: DatasetMetadata
+    identity: str
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._views: dict[int, np.ndarray] = {}  # shard id -> (samples, tokens) view of its mapped file
-        self._dtype = None
-        self._length = None
+    @property
+    def splits(self) -> dict:
+        return self.metadata.splits
 
-    def _map_shard(self, shard_id: int) -> np.ndarray:
-        reader = self.shards[shard_id]
-        if self._dtype is None:
-            encoding = reader.column_encodings[0]  # "ndarray:<dtype>:<length>", see tokstream.format
-            _, dtype, length = encoding.split(":")
-            self._dtype, self._length = np.dtype(dtype), int(length)
-        path = os.path.join(reader.dirname, reader.split, reader.raw_data.basename)
-        # A plain ndarray view: slicing a np.memmap subclass costs far more per sample.
-        return shard_samples(np.asarray(np.memmap(path, dtype=np.uint8, mode="r")), self._dtype, self._length)
 
-    # streaming runs two background threads per iterator that walk the sample order one sample at
-    # a time (download ahead, then mark ready). At tens of thousands of samples per second their
-    # Python loops take the GIL from the consumer; these two overrides keep streaming's logic and
-    # order but step through a window of samples at once, touching each shard once per window.
+def open_dataset(config: DataConfig, vocab_size: int, block_size: int) -> TrainingDataset:
+    """Fetch the index files (once, when remote) and refuse a dataset that does not fit the model."""
+    root = fetch_index_files(config)
+    metadata = read_metadata(root)
+    check_compatible(metadata, vocab_size, block_size, config.remote)
+    return TrainingDataset(metadata, dataset_identity(root, config.split))
 
-    def _window(self, it, start: int) -> tuple[int, np.ndarray]:
-        """End of the window of samples from `start` within the predownload bound, and its shards in order."""
-        ahead = self.predownload if self.predownload is not None else it.total
-        stop = min(it.total, max(start + 1, it.yield_index + ahead + 1))
-        ids = it.sample_ids[start:stop]
-        shards = np.searchsorted(self.spanner.shard_bounds, ids[ids >= 0], side="right") - 1
-        _, first = np.unique(shards, return_index=True)
-        return stop, shards[np.sort(first)]
 
-    def _prepare_thread(self, it) -> None:
-        while not (it.should_exit() or self._event.is_set()):
-            if it.prepare_index == it.total or it.ready_index == it.total:
-                it.prepare_index = it.total
-                break
-            if self.predownload is not None and self.predownload < it.prepare_index - it.yield_index:
-                time.sleep(TICK)
-                continue
-            stop, shards = self._window(it, it.prepare_index)
-            for shard_id in shards.tolist():
-                self.prepare_shard(shard_id, False)
-            it.prepare_index = stop
-        it.on_exit()
+# Settings the global sample order depends on: a resumed run must keep them.
+SAMPLE_ORDER_SETTINGS = ("shuffle_seed", "shuffle_algo", "num_canonical_nodes", "shuffle_block_size", "split")
 
-    def _ready_thread(self, it) -> None:
-        while not (it.should_exit() or self._event.is_set()):
-            if it.ready_index == it.total:
-                break
-            if self.predownload is not None and self.predownload < it.ready_index - it.yield_index:
-                time.sleep(TICK)
-                continue
-            stop, shards = self._window(it, it.ready_index)
-            for shard_id in shards.tolist():
-                if self._shard_states[shard_id] == _REMOTE:
-                    self.prepare_shard(shard_id, False)
-                while self._shard_states[shard_id] != _LOCAL and not self._event.is_set():
-                    time.sleep(TICK)
-            it.ready_index = stop
-        it.on_exit()
 
-    def get_item(self, sample_id: int) -> dict:
-        shard_id, index = self.spanner[sample_id]
-        if self._shard_states[shard_id] != _LOCAL:
-            self._views.pop(shard_id, None)
-            return {"tokens": super().get_item(sample_id)["tokens"], "id": sample_id}  # fetches the shard
-        view = self._views.get(shard_id)
-        if view is None:
-            try:
-                view = self._views[shard_id] = self._map_shard(shard_id)
-            except FileNotFoundError:  # evicted by another rank between the state check and here
-                return {"tokens": super().get_item(sample_id)["tokens"], "id": sample_id}
-        if self.cache_limit:
-            self._shard_access_times[shard_id] = time.time_ns()  # streaming evicts least recently used
-        return {"tokens": view[index], "id": sample_id}
+def check_resumable(saved_config: dict, saved_identity: str, config: DataConfig, dataset: TrainingDataset) -> None:
+    """Refuse to resume on other samples or in another order; workers, caches and prefetch may change."""
+    if saved_identity != dataset.identity:
+        raise UserError("the dataset differs from the one the checkpoint was trained on; use a new run_dir")
+    for key in SAMPLE_ORDER_SETTINGS:
+        if saved_config[key] != getattr(config, key):
+            raise UserError(f"data.{key} changed from {saved_config[key]!r} to {getattr(config, key)!r}: "
+                            "the sample order would change; keep it, or use a new run_dir")
+
+
+class TrainBatches:
+    """The train split's micro-batches, epoch after epoch, with the loader's position as its state."""
+
+    def __init__(self, config: DataConfig, micro_batch_size: int, pin_memory: bool):
+        self.loader = make_loader(config, config.split, micro_batch_size, shuffle=True, pin_memory=pin_memory)
+        # No reference back to self: a cycle would keep the loader's workers alive past the run.
+        self._batches = _epoch_after_epoch(self.loader)
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        return next(self._batches)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+
+def _epoch_after_epoch(loader: StreamingDataLoader) -> Iterator[dict[str, torch.Tensor]]:
+    while True:  # streaming starts the next epoch on each new iterator
+        yield from loader
 
 
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:

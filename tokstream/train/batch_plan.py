@@ -1,0 +1,36 @@
+"""How a global batch is cut into micro-batches over ranks, and what a resumed run must keep of it."""
+
+from dataclasses import dataclass
+
+from tokstream.errors import UserError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    global_batch_size: int  # samples per optimizer step, over all ranks and micro-batches
+    micro_batch_size: int  # samples per rank per forward pass
+    world_size: int
+
+    def __post_init__(self) -> None:
+        per_pass = self.micro_batch_size * self.world_size
+        if self.global_batch_size % per_pass:
+            raise UserError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
+                            f"{self.micro_batch_size} x {self.world_size} ranks")
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per rank per optimizer step."""
+        return self.global_batch_size // (self.micro_batch_size * self.world_size)
+
+    def state_dict(self) -> dict:
+        return {"global_batch_size": self.global_batch_size, "world_size": self.world_size,
+                "accumulation": self.accumulation}
+
+    def check_resumable(self, saved: dict) -> None:
+        """The global batch must stay; ranks and accumulation may change with it."""
+        if saved["global_batch_size"] != self.global_batch_size:
+            raise UserError(f"global_batch_size changed from {saved['global_batch_size']} to "
+                            f"{self.global_batch_size}: resuming needs the same global batch")
+        if saved["world_size"] != self.world_size:
+            print(f"resuming a {saved['world_size']}-rank run on {self.world_size} ranks: same global batch and "
+                  "sample order; losses match to float rounding, not bitwise")

@@ -1,0 +1,111 @@
+"""Checkpoints: assembled from the run's stateful components, written atomically, newest complete one
+found on relaunch, last K kept.
+
+A checkpoint is a dict with one entry per component (`model`, `optimizer`, `loader`, `rng`,
+`progress`: whatever has `state_dict()` / `load_state_dict()`) and `run`, the facts a relaunch is
+checked against before anything is loaded (config, batch plan, dataset identity).
+"""
+
+import os
+import re
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from tokstream.errors import UserError
+from tokstream.train.distributed import Distributed
+
+CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+
+
+def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
+    return Path(run_dir) / f"ckpt-{step:08d}.pt"
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary files of an interrupted save are ignored)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return sorted(p for p in run_dir.iterdir() if CHECKPOINT_NAME.match(p.name))
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict, keep: int) -> Path:
+    """Write to a temporary name, fsync, rename: a crash mid-write leaves the previous one intact."""
+    path = checkpoint_path(run_dir, step)
+    temporary = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(temporary, "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, dict] | tuple[None, None]:
+    """The newest checkpoint that loads; a damaged newest one falls back to the one before."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            return path, torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as err:  # truncated or corrupt file: say so and try the previous one
+            print(f"warning: skipping unreadable checkpoint {path}: {type(err).__name__}: {err}")
+    return None, None
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> object: ...
+
+    def load_state_dict(self, state) -> None: ...
+
+
+class Checkpointer:
+    """Saves and restores a run's components in its run_dir; rank 0 writes, every rank takes part."""
+
+    def __init__(self, run_dir: str | os.PathLike, keep: int, dist: Distributed):
+        self.run_dir, self.keep, self.dist = Path(run_dir), keep, dist
+        self.components: dict[str, Stateful] = {}
+        self.run_record: dict = {}
+        if dist.master:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+
+    def latest(self) -> tuple[Path, dict] | tuple[None, None]:
+        """The newest complete checkpoint, as written (nothing is restored yet)."""
+        path, saved = load_latest_checkpoint(self.run_dir)
+        if saved is not None and "progress" not in saved:
+            raise UserError(f"{path} was written before checkpoints were assembled from components (tokstream "
+                            "before the tokstream.train package): resume it with that release, or use a new run_dir")
+        return path, saved
+
+    def restore(self, saved: dict) -> None:
+        for name, component in self.components.items():
+            component.load_state_dict(saved[name])
+
+    def save(self, step: int) -> None:
+        """Collective: each component's state (RNG states are gathered from every rank), written by rank 0."""
+        state = {name: component.state_dict() for name, component in self.components.items()}
+        state["run"] = self.run_record
+        if self.dist.master:
+            save_checkpoint(self.run_dir, step, state, self.keep)
+        self.dist.barrier()
+
+
+class Progress:
+    """The run's position: optimizer steps taken."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]

@@ -1,0 +1,35 @@
+"""metrics.jsonl (one JSON line per step, written by rank 0) and the console line every log_interval."""
+
+import json
+import os
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    def __init__(self, run_dir: str | os.PathLike, enabled: bool):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.enabled = enabled
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines for steps after the checkpoint we resume from: they will be trained again."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text("".join(line + "\n" for line in kept))
+        os.replace(temporary, self.path)
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as out:
+                out.write(json.dumps(record) + "\n")
+
+
+def console_line(record: dict) -> str:
+    """The human summary of one step's record."""
+    val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+    mfu = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
+    return (f"step {record['step']} loss {record['loss']:.4f}{val} lr {record['lr']:.2e} "
+            f"{record['tokens_per_s']:,.0f} tok/s data_wait {record['data_wait_s'] * 1e3:.1f} ms{mfu}")

@@ -1,0 +1,46 @@
+"""Every rank's random number generators as one checkpointable component."""
+
+import random
+
+import numpy as np
+import torch
+
+from tokstream.train.distributed import Distributed
+
+
+def _local_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_local_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class RankRNG:
+    """Python, NumPy, torch (and CUDA) generators of every rank; seeded per rank on a fresh start."""
+
+    def __init__(self, dist: Distributed):
+        self.dist = dist
+
+    def seed(self, seed: int) -> None:
+        """A different stream per rank (dropout masks must differ between ranks)."""
+        random.seed(seed + self.dist.rank)
+        np.random.seed(seed + self.dist.rank)
+        torch.manual_seed(seed + self.dist.rank)
+
+    def state_dict(self) -> list[dict]:
+        """Collective: every rank's state, in rank order."""
+        return self.dist.gather(_local_state())
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        """Continue each rank's streams; on another world size the ranks are not the same ones, so the
+        caller's seeding stands."""
+        if len(states) == self.dist.world:
+            _set_local_state(states[self.dist.rank])

@@ -1,0 +1,131 @@
+"""The one place that touches mosaicml-streaming's private internals; nothing else in the project does.
+
+Checked against mosaicml-streaming 0.13.0 (CHECKED_VERSIONS). Importing this module with any
+other version fails with one line, because what follows relies on names streaming does not
+promise to keep:
+
+- `_ShardState` and `StreamingDataset._shard_states`: whether a shard is on local disk;
+- `StreamingDataset._shard_access_times`: the clock streaming's cache eviction reads;
+- `StreamingDataset._prepare_thread` / `_ready_thread` and the iterator fields they move
+  (`prepare_index`, `ready_index`, `yield_index`, `total`, `sample_ids`): download-ahead;
+- `StreamingDataset._event`: set when the dataset is shutting down;
+- `streaming.base.shared.prefix._unpack_locals` / `_pack_locals` and `_shm_prefix_int`: which
+  cache directories a shared-memory prefix belongs to.
+
+To move to a new streaming version: read those names in its source, run the fast-reader and
+training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
+"""
+
+import os
+import time
+
+import numpy as np
+import streaming
+from streaming import StreamingDataset
+from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN, TICK
+from streaming.base.dataset import _ShardState
+from streaming.base.shared.prefix import _pack_locals, _unpack_locals
+
+from tokstream.errors import UserError
+
+CHECKED_VERSIONS = ("0.13.0",)
+if streaming.__version__ not in CHECKED_VERSIONS:
+    raise UserError(f"mosaicml-streaming {streaming.__version__} is installed; this project reaches into its "
+                    f"internals and is checked only against {', '.join(CHECKED_VERSIONS)}: "
+                    f"pip install mosaicml-streaming=={CHECKED_VERSIONS[-1]}")
+
+_LOCAL = int(_ShardState.LOCAL)  # plain ints: IntEnum comparisons are slow per sample
+_REMOTE = int(_ShardState.REMOTE)
+
+# Names of the shared-memory blocks and /tmp lock files streaming creates per dataset prefix.
+SHM_BLOCK_SUFFIXES = tuple(SHM_TO_CLEAN)
+LOCALS_BLOCK = LOCALS
+LOCK_FILE_SUFFIXES = (BARRIER_FILELOCK, CACHE_FILELOCK)
+
+
+def shard_is_local(dataset: StreamingDataset, shard_id: int) -> bool:
+    """Whether streaming's shared state says the shard is downloaded (and not being evicted)."""
+    return dataset._shard_states[shard_id] == _LOCAL
+
+
+def mark_shard_used(dataset: StreamingDataset, shard_id: int) -> None:
+    """Tell streaming's least-recently-used eviction that the shard was just read."""
+    if dataset.cache_limit:
+        dataset._shard_access_times[shard_id] = time.time_ns()
+
+
+def shard_file(dataset: StreamingDataset, shard_id: int) -> str:
+    """Path of the shard's uncompressed file in the local cache."""
+    reader = dataset.shards[shard_id]
+    return os.path.join(reader.dirname, reader.split, reader.raw_data.basename)
+
+
+def first_column_encoding(dataset: StreamingDataset) -> str:
+    """The MDS encoding string of the dataset's first column (tokstream.format parses it)."""
+    return dataset.shards[0].column_encodings[0]
+
+
+def locals_of_block(data: bytes) -> list[str]:
+    """The cache directories a `NNNNNN_locals` shared-memory block registers."""
+    directories, _ = _unpack_locals(data)
+    return directories
+
+
+def locals_block(directories: list[str], prefix: int) -> bytes:
+    """The bytes streaming writes to a `locals` block (tests plant stale blocks with it)."""
+    return _pack_locals(directories, prefix)
+
+
+def shm_prefix(dataset: StreamingDataset) -> int:
+    """The number of the shared-memory prefix a live dataset registered."""
+    return dataset._shm_prefix_int
+
+
+class WindowedDownloadAhead(StreamingDataset):
+    """StreamingDataset whose download-ahead threads step through the sample order a window at a time.
+
+    streaming runs two background threads per iterator that walk the sample order one sample at a
+    time (prepare: start downloads; ready: wait until each shard is local). At tens of thousands of
+    samples per second their Python loops take the GIL from the consumer. These overrides keep
+    streaming's logic, bounds and order but handle a window of samples at once, touching each
+    shard once per window.
+    """
+
+    def _window(self, it, start: int) -> tuple[int, np.ndarray]:
+        """End of the window of samples from `start` within the predownload bound, and its shards in order."""
+        ahead = self.predownload if self.predownload is not None else it.total
+        stop = min(it.total, max(start + 1, it.yield_index + ahead + 1))
+        ids = it.sample_ids[start:stop]
+        shards = np.searchsorted(self.spanner.shard_bounds, ids[ids >= 0], side="right") - 1
+        _, first = np.unique(shards, return_index=True)
+        return stop, shards[np.sort(first)]
+
+    def _prepare_thread(self, it) -> None:
+        while not (it.should_exit() or self._event.is_set()):
+            if it.prepare_index == it.total or it.ready_index == it.total:
+                it.prepare_index = it.total
+                break
+            if self.predownload is not None and self.predownload < it.prepare_index - it.yield_index:
+                time.sleep(TICK)
+                continue
+            stop, shards = self._window(it, it.prepare_index)
+            for shard_id in shards.tolist():
+                self.prepare_shard(shard_id, False)
+            it.prepare_index = stop
+        it.on_exit()
+
+    def _ready_thread(self, it) -> None:
+        while not (it.should_exit() or self._event.is_set()):
+            if it.ready_index == it.total:
+                break
+            if self.predownload is not None and self.predownload < it.ready_index - it.yield_index:
+                time.sleep(TICK)
+                continue
+            stop, shards = self._window(it, it.ready_index)
+            for shard_id in shards.tolist():
+                if self._shard_states[shard_id] == _REMOTE:
+                    self.prepare_shard(shard_id, False)
+                while self._shard_states[shard_id] != _LOCAL and not self._event.is_set():
+                    time.sleep(TICK)
+            it.ready_index = stop
+        it.on_exit()

@@ -1,0 +1,177 @@
+"""Training GPT-2 from a converted dataset: `setup` builds a run, `train` is the loop.
+
+Where a sample is produced: `next(run.batches)` (data.TrainBatches) pulls a micro-batch from
+StreamingDataLoader, which asks the rank's share of streaming's shuffled sample order from
+TokenDataset.get_item (token_dataset.py) and stacks it with data.collate; data.to_device widens
+the tokens on the device.
+"""
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from tokstream.train import data
+from tokstream.train.batch_plan import BatchPlan
+from tokstream.train.checkpoint import Checkpointer, Progress
+from tokstream.train.config import TrainConfig
+from tokstream.train.distributed import Distributed
+from tokstream.train.metrics import MetricsLog, console_line
+from tokstream.train.model import GPT, check_same_architecture, peak_bf16_flops
+from tokstream.train.preemption import PreemptionWatch
+from tokstream.train.rng import RankRNG
+from tokstream.train.schedule import learning_rate
+from tokstream.train.stale_shm import remove_stale_shared_memory
+
+
+@dataclass
+class Run:
+    """Everything the loop uses; the stateful parts are also the checkpoint's components."""
+
+    config: TrainConfig
+    dist: Distributed
+    plan: BatchPlan
+    raw_model: GPT  # what is checkpointed
+    model: torch.nn.Module  # what is called: compiled and/or wrapped in DDP
+    optimizer: torch.optim.Optimizer
+    batches: data.TrainBatches
+    val_loader: object | None
+    progress: Progress
+    checkpointer: Checkpointer
+    metrics: MetricsLog
+    preemption: PreemptionWatch
+    autocast: object
+    peak_flops: float | None
+
+
+def setup(config: TrainConfig) -> Run:
+    """Build the run; with a checkpoint in run_dir, check it fits and continue from it."""
+    dist = Distributed.start(config.device)
+    plan = BatchPlan(config.global_batch_size, config.micro_batch_size, dist.world)
+    dataset = data.open_dataset(config.data, config.model.vocab_size, config.model.block_size)
+    checkpointer = Checkpointer(config.run_dir, config.keep_checkpoints, dist)
+    checkpoint_path, saved = checkpointer.latest()
+    if saved is not None:  # before anything is built: a refused relaunch changes nothing
+        old = saved["run"]
+        data.check_resumable(old["config"]["data"], old["dataset_identity"], config.data, dataset)
+        plan.check_resumable(old["batch_plan"])
+        check_same_architecture(old["config"]["model"], config.model)
+
+    torch.manual_seed(config.seed)  # identical initial weights on every rank
+    raw_model = GPT(config.model).to(dist.device)
+    optimizer = raw_model.optimizer(config.optim.lr, config.optim.weight_decay,
+                                    (config.optim.beta1, config.optim.beta2), dist.device.type)
+    if config.data.clean_stale_shared_memory:
+        if dist.local_rank == 0:  # once per node, before any rank registers its datasets
+            removed = remove_stale_shared_memory(data.cache_dirs(config.data))
+            if removed:
+                print(f"removed {len(removed)} shared-memory blocks a killed run of this dataset left behind")
+        dist.barrier()
+    use_cuda = dist.device.type == "cuda"
+    batches = data.TrainBatches(config.data, config.micro_batch_size, pin_memory=use_cuda)
+    val_loader = None
+    if config.data.val_split in dataset.splits and config.eval_interval:
+        val_loader = data.make_loader(config.data, config.data.val_split, config.micro_batch_size, shuffle=False,
+                                      pin_memory=use_cuda, num_workers=0)
+    model = torch.compile(raw_model) if config.compile else raw_model
+    if dist.enabled:
+        model = DDP(model, device_ids=[dist.local_rank] if use_cuda else None)
+
+    progress, rng = Progress(), RankRNG(dist)
+    rng.seed(config.seed)
+    checkpointer.components = {"model": raw_model, "optimizer": optimizer, "loader": batches, "rng": rng,
+                               "progress": progress}
+    checkpointer.run_record = {"config": config.to_dict(), "batch_plan": plan.state_dict(),
+                               "dataset_identity": dataset.identity}
+    if saved is not None:
+        checkpointer.restore(saved)
+        if dist.master:
+            print(f"resumed from {checkpoint_path} at step {progress.step}")
+    metrics = MetricsLog(config.run_dir, enabled=dist.master)
+    metrics.truncate_after(progress.step)
+    autocast = torch.autocast("cuda", dtype=getattr(torch, config.dtype)) if use_cuda else nullcontext()
+    return Run(config, dist, plan, raw_model, model, optimizer, batches, val_loader, progress, checkpointer,
+               metrics, PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None)
+
+
+def train(config: TrainConfig) -> None:
+    run = setup(config)
+    dist, model, optimizer, progress = run.dist, run.model, run.optimizer, run.progress
+    accumulation = run.plan.accumulation
+    tokens_per_step = config.global_batch_size * config.model.block_size
+    flops_per_token = run.raw_model.flops_per_token()
+    if dist.master:
+        print(f"{run.raw_model.num_params() / 1e6:.2f}M parameters, {dist.world} ranks x {config.micro_batch_size} "
+              f"samples x {accumulation} accumulation = {config.global_batch_size} samples/step, device {dist.device}")
+    bar = tqdm(total=config.max_steps, initial=progress.step, unit="step", disable=not dist.master,
+               dynamic_ncols=True)
+    model.train()
+    while progress.step < config.max_steps:
+        if run.preemption.should_stop():  # collective: every rank stops at this same step
+            run.checkpointer.save(progress.step)
+            bar.close()
+            if dist.master:
+                print(f"preempted (signal {run.preemption.received}): saved checkpoint at step {progress.step}, "
+                      "exiting")
+            break
+        started = time.perf_counter()
+        lr = learning_rate(progress.step, config)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=dist.device)
+        data_wait, sample_ids = 0.0, []
+        for micro in range(accumulation):
+            waited = time.perf_counter()
+            batch = next(run.batches)
+            data_wait += time.perf_counter() - waited
+            inputs, targets = data.to_device(batch, dist.device)
+            sample_ids.extend(batch["ids"].tolist())
+            last = micro == accumulation - 1
+            with nullcontext() if last or not dist.enabled else model.no_sync(), run.autocast:
+                loss = model(inputs, targets) / accumulation  # gradients all-reduced on the last micro-batch
+            loss.backward()
+            loss_sum += loss.detach()
+        if config.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        progress.step += 1
+
+        step = progress.step
+        record = {"step": step, "loss": dist.mean(loss_sum).item(), "lr": lr}
+        if config.trace_samples:
+            record["samples"] = dist.gather(sample_ids)
+        seconds = time.perf_counter() - started
+        record.update(tokens_per_s=tokens_per_step / seconds, data_wait_s=data_wait, step_s=seconds)
+        if run.peak_flops:
+            record["mfu"] = flops_per_token * tokens_per_step / seconds / (run.peak_flops * dist.world)
+        if run.val_loader is not None and step % config.eval_interval == 0:
+            record["val_loss"] = evaluate(run)
+        run.metrics.write(record)
+        bar.update(1)
+        if dist.master and (step % config.log_interval == 0 or "val_loss" in record):
+            bar.write(console_line(record))
+        if step % config.checkpoint_interval == 0 or step == config.max_steps:
+            run.checkpointer.save(step)
+    bar.close()
+    dist.close()
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Mean loss over the first eval_batches micro-batches of every rank's val partition."""
+    run.model.eval()
+    total = torch.zeros(2, device=run.dist.device)
+    for index, batch in enumerate(run.val_loader):
+        if index >= run.config.eval_batches:
+            break
+        inputs, targets = data.to_device(batch, run.dist.device)
+        with run.autocast:
+            total[0] += run.model(inputs, targets).float()
+        total[1] += 1
+    run.dist.sum(total)
+    run.model.train()
+    return (total[0] / total[1].clamp(min=1)).item()
