@@ -16,8 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
-from tokstream.cli import add_output_arguments  # noqa: E402
-from tokstream.conversion import summary  # noqa: E402
+from tokstream.cli import add_output_arguments, output_options, summary  # noqa: E402
 from tokstream.errors import UserError, run_cli  # noqa: E402
 from tokstream.token_conversion import convert_token_files  # noqa: E402
 from tokstream.token_files import FORMATS, open_token_file  # noqa: E402
@@ -45,18 +44,14 @@ def main() -> None:
     args = parser.parse_args()
 
     started = time.monotonic()
+    options = output_options(args)
     files = {args.split: [open_token_file(path, args.format) for path in expand(args.inputs)]}
     if args.val:
         if args.split == "val":
             raise UserError("--val with --split val: name the other split with --split")
         files["val"] = [open_token_file(path, args.format) for path in expand(args.val)]
     tokenizer = load_tokenizer(args.encoding, args.ranks_file)
-    metadata = convert_token_files(
-        files, args.out, args.block_size, tokenizer.name, tokenizer.vocab_size, tokenizer.eot_id,
-        shard_size=args.shard_size, compression=args.compression,
-        hashes=tuple(h for h in args.hashes.split(",") if h), overwrite=args.overwrite,
-        progress=not args.no_progress, staging_dir=args.staging,
-    )
+    metadata = convert_token_files(files, args.out, tokenizer.name, tokenizer.vocab_size, tokenizer.eot_id, options)
     print(summary(metadata, args.out, time.monotonic() - started))
 
 

@@ -93,7 +93,7 @@ def kill_then_resume(script: str, args: list, out: Path, sig: int) -> str:
     import signal
     import time
 
-    from tokstream.conversion_state import STATE_FILE
+    from tokstream.resume import STATE_FILE
 
     cmd = [sys.executable, str(ROOT / script), *map(str, args), "--out", str(out), "--state-interval", "0"]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

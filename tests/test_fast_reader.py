@@ -14,7 +14,7 @@ import torch
 from conftest import shakespeare_paragraphs
 
 from tokstream.cleaning import Cleaning
-from tokstream.conversion import ConversionOptions
+from tokstream.options import ConversionOptions
 from tokstream.text_conversion import convert_text
 from tokstream.train.config import DataConfig
 from tokstream.train.data import collate, make_loader, to_device

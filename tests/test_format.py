@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokstream.format import (BlockPacker, DatasetMetadata, ShardWriter, column_encoding, shard_samples,
-                              token_dtype)
+from tokstream.format import (BlockPacker, DatasetMetadata, ShardWriter, column_encoding, parse_column_encoding,
+                              shard_samples, token_dtype)
 
 
 def metadata(block_size: int, vocab_size: int = 50257) -> DatasetMetadata:
@@ -20,6 +20,7 @@ def test_dtype_rule():
     assert token_dtype(65537) == np.uint32
     assert token_dtype(128256) == np.uint32  # Llama-3
     assert column_encoding(np.uint16, 1024) == "ndarray:uint16:1025"
+    assert parse_column_encoding(column_encoding(np.uint32, 64)) == (np.dtype(np.uint32), 65)
 
 
 def test_packer_overlaps_by_one_and_counts_the_dropped_tail():
@@ -75,3 +76,33 @@ def test_shard_samples_reads_back_what_was_written(tmp_path):
     writer.write(samples)
     writer.finish()
     np.testing.assert_array_equal(shard_samples((tmp_path / "shard.00000.mds").read_bytes(), np.uint16, 17), samples)
+
+
+def test_packer_and_writer_continue_from_their_state_with_the_same_bytes(tmp_path):
+    """What a resumed conversion relies on: state_dict mid-stream, fresh objects, load_state_dict."""
+    meta = metadata(block_size=8)
+    stream = np.random.default_rng(1).integers(0, 50257, size=5_000).astype(np.uint16)
+    pieces = np.array_split(stream, [3, 700, 1_800, 1_801, 4_000])
+
+    packer, writer = BlockPacker(8, np.uint16), ShardWriter(tmp_path / "whole", meta, 2_000)
+    for piece in pieces:
+        writer.write(packer.add(piece))
+    writer.finish()
+
+    packer, writer = BlockPacker(8, np.uint16), ShardWriter(tmp_path / "resumed", meta, 2_000)
+    for piece in pieces[:3]:
+        writer.write(packer.add(piece))
+    packer_state, writer_state = packer.state_dict(), writer.state_dict()
+    assert len(writer_state["shards"]) >= 2 and len(writer_state["buffered"]) and len(packer_state["pending"])
+    packer, writer = BlockPacker(8, np.uint16), ShardWriter(tmp_path / "resumed", meta, 2_000)
+    packer.load_state_dict(packer_state)
+    writer.load_state_dict(writer_state)
+    for piece in pieces[3:]:
+        writer.write(packer.add(piece))
+    writer.finish()
+
+    assert packer.tokens == len(stream) and packer.samples == (len(stream) - 1) // 8
+    names = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "resumed").iterdir())
+    for name in names:
+        assert (tmp_path / "resumed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name

@@ -12,7 +12,7 @@ import pytest
 from conftest import (ROOT, expected_samples, kill_then_resume, nanogpt_stream, run_script, shakespeare_paragraphs,
                       tagged_lines, tree_bytes, write_jsonl)
 
-from tokstream.conversion import ConversionOptions
+from tokstream.options import ConversionOptions
 from tokstream.format import read_metadata
 from tokstream.tokenize_docs import is_val_document
 

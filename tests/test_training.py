@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, shakespeare_paragraphs
 
-from tokstream.conversion import ConversionOptions, convert_documents
+from tokstream.options import ConversionOptions
 from tokstream.sources import open_source
+from tokstream.text_one_pass import convert_documents
 
 STEPS = 16
 BASE = ["configs/tiny.yaml", f"max_steps={STEPS}", f"optim.decay_steps={STEPS}", "checkpoint_interval=4", "eval_interval=8",

@@ -1,11 +1,13 @@
 """Command-line options shared by the converters, so every CLI stays a thin layer over the core."""
 
 import argparse
+import dataclasses
 import os
 import time
 
 from tokstream.cleaning import Cleaning
-from tokstream.conversion import ConversionOptions, summary
+from tokstream.format import DatasetMetadata
+from tokstream.options import ConversionOptions
 from tokstream.text_conversion import convert_text
 from tokstream.tokenizer import load_tokenizer
 
@@ -38,20 +40,26 @@ def add_text_arguments(parser: argparse.ArgumentParser) -> None:
                              "after a kill resumes from the last save")
 
 
-def conversion_options(args: argparse.Namespace) -> ConversionOptions:
+def output_options(args: argparse.Namespace) -> ConversionOptions:
+    """The options of add_output_arguments (token-file conversion needs no others)."""
     return ConversionOptions(
-        block_size=args.block_size, val_fraction=args.val_fraction, seed=args.seed,
-        num_workers=args.num_workers or 1, max_docs=args.max_docs,
-        shard_size=args.shard_size, compression=args.compression,
+        block_size=args.block_size, shard_size=args.shard_size, compression=args.compression,
         hashes=tuple(h for h in args.hashes.split(",") if h), overwrite=args.overwrite,
         progress=not args.no_progress, staging_dir=args.staging,
-        state_interval_s=args.state_interval,
+    )
+
+
+def text_options(args: argparse.Namespace) -> ConversionOptions:
+    """The options of add_text_arguments: the output's, and how text becomes documents and splits."""
+    return dataclasses.replace(
+        output_options(args), val_fraction=args.val_fraction, seed=args.seed, num_workers=args.num_workers or 1,
+        max_docs=args.max_docs, state_interval_s=args.state_interval,
     )
 
 
 def add_parts_arguments(parser: argparse.ArgumentParser) -> None:
     """Conversion in parts: over several machines, or resumable part by part on one."""
-    group = parser.add_argument_group("parts (local inputs; see tokstream/parts.py)")
+    group = parser.add_argument_group("parts (local inputs; see tokstream/text_parts.py)")
     group.add_argument("--num-parts", type=int, default=None,
                        help="split the input files into N parts; alone: run every unfinished part, then merge")
     group.add_argument("--part", default=None,
@@ -63,7 +71,7 @@ def run_text_conversion(args: argparse.Namespace, inputs: list[str], source_kwar
                         cleaning: Cleaning) -> str:
     """The body of every text converter's main(): options from the command line, then the core."""
     started = time.monotonic()
-    options = conversion_options(args)
+    options = text_options(args)
     tokenizer = load_tokenizer(args.encoding, args.ranks_file)
     metadata = convert_text(inputs, args.out, source_kwargs, cleaning, options, tokenizer,
                             num_parts=args.num_parts, part=args.part, merge=args.merge)
@@ -71,3 +79,21 @@ def run_text_conversion(args: argparse.Namespace, inputs: list[str], source_kwar
         return (f"part {args.part} of {args.num_parts} done in {time.monotonic() - started:.1f} s; when every "
                 "part is done, run the same command with --merge instead of --part")
     return summary(metadata, args.out, time.monotonic() - started)
+
+
+def summary(metadata: DatasetMetadata, out: str, seconds: float) -> str:
+    """Human-readable closing lines for a conversion."""
+    lines = [f"wrote {out} ({metadata.tokenizer}, block_size {metadata.block_size}, {metadata.dtype})"]
+    tokens = 0
+    for name, s in metadata.splits.items():
+        tokens += s.tokens
+        lines.append(f"  {name:5s} {s.documents:>10,} docs {s.tokens:>14,} tokens {s.samples:>11,} samples "
+                     f"{s.dropped_tokens:>6,} dropped tail tokens {s.shards:>5} shards {s.bytes / 1e6:>9.1f} MB")
+    replaced = metadata.extra.get("invalid_utf8_documents_replaced", 0)
+    if replaced:
+        lines.append(f"  {replaced} documents had invalid UTF-8 bytes, replaced with U+FFFD")
+    dropped = {k: v for k, v in metadata.extra.items() if k in ("empty", "duplicates") and v}
+    if dropped:
+        lines.append("  dropped documents: " + ", ".join(f"{v:,} {k}" for k, v in dropped.items()))
+    lines.append(f"  {seconds:.1f} s, {tokens / max(seconds, 1e-9) / 1e6:.2f} M tokens/s")
+    return "\n".join(lines)

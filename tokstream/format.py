@@ -28,7 +28,6 @@ from tokstream.errors import UserError
 FORMAT_NAME = "tokstream-mds"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
-JOURNAL_FILE = ".shards.journal"  # a resumable writer's record of completed shards; gone when finished
 TOKENS_COLUMN = "tokens"
 SPLITS = ("train", "val")
 
@@ -173,6 +172,14 @@ class BlockPacker:
         self.pending = stream[count * self.block_size :].copy()
         return samples
 
+    def state_dict(self) -> dict:
+        """Counts so far and the tokens held towards the next sample."""
+        return {"tokens": self.tokens, "samples": self.samples, "pending": self.pending.copy()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tokens, self.samples = state["tokens"], state["samples"]
+        self.pending = np.asarray(state["pending"], dtype=self.dtype)
+
     @property
     def dropped_tokens(self) -> int:
         """Tokens left over at the end that no sample uses as a target."""
@@ -225,13 +232,10 @@ class ShardWriter:
     MDS_EXTRA_BYTES_PER_SAMPLE = 4  # MDS counts one uint32 offset per sample towards the size limit
 
     def __init__(self, directory: str | os.PathLike, metadata: DatasetMetadata, shard_size: str | int,
-                 compression: str | None = None, hashes: list[str] = (), on_file=None,
-                 resume_shards: list[dict] | None = None, journal: bool = False):
+                 compression: str | None = None, hashes: list[str] = (), on_file=None, journal=None):
         self.directory = Path(directory)
         self.on_file = on_file  # told of each finished shard file (an uploader, say)
-        # With resume_shards the writer continues after those shards. With journal, every shard it
-        # completes is recorded in JOURNAL_FILE (read_journal), so a killed run can continue there.
-        self.journal = journal
+        self.journal = journal  # told of each finished shard's index entry (resume.ShardJournal)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.dtype = metadata.np_dtype
         self.length = metadata.sample_length
@@ -258,7 +262,17 @@ class ShardWriter:
         # One shard's samples, reused shard after shard: each token is copied once on its way to disk.
         self.body = np.empty((self.samples_per_shard, self.length), dtype=self.dtype)
         self.pending_count = 0
-        self.shards: list[dict] = list(resume_shards or [])
+        self.shards: list[dict] = []
+
+    def state_dict(self) -> dict:
+        """The finished shards' index entries and a copy of the samples buffered towards the next one."""
+        return {"shards": list(self.shards), "buffered": self.body[: self.pending_count].copy()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue after those shards (their files must be in place), with those samples buffered."""
+        self.shards = list(state["shards"])
+        self.pending_count = 0
+        self.write(state["buffered"])  # fewer than a shard: buffered, not written
 
     def write(self, samples: np.ndarray) -> None:
         """Append a (count, block_size + 1) array of samples; full shards go to disk at once."""
@@ -290,11 +304,8 @@ class ShardWriter:
         with open(path, "wb") as out:
             for piece in pieces:
                 out.write(piece)
-        if self.journal:
-            # No fsync: a resume re-checks every journaled shard's size and hashes, so a shard the
-            # journal names but a crash did not fully persist is written again, not trusted.
-            with open(self.directory / JOURNAL_FILE, "a") as journal:
-                journal.write(json.dumps(shard, sort_keys=True) + "\n")
+        if self.journal is not None:
+            self.journal.record(shard)
         if self.on_file is not None:
             self.on_file(path)
         self.shards.append(shard)
@@ -310,13 +321,8 @@ class ShardWriter:
             self._flush()
         with open(self.directory / "index.json", "w") as out:
             json.dump({"shards": self.shards, "version": 2}, out, sort_keys=True)
-        (self.directory / JOURNAL_FILE).unlink(missing_ok=True)
-
-    def split_stats(self, packer: BlockPacker, documents: int) -> SplitStats:
-        """The counts of a split this writer finished from this packer's samples."""
-        return SplitStats(documents=documents, tokens=packer.tokens, samples=packer.samples,
-                          dropped_tokens=packer.dropped_tokens, shards=len(self.shards),
-                          bytes=sum((s["zip_data"] or s["raw_data"])["bytes"] for s in self.shards))
+        if self.journal is not None:
+            self.journal.discard()
 
 
 def shard_file_intact(directory: str | os.PathLike, shard: dict) -> bool:
@@ -326,28 +332,6 @@ def shard_file_intact(directory: str | os.PathLike, shard: dict) -> bool:
     if not file.is_file() or file.stat().st_size != stored["bytes"]:
         return False
     return all(file_hash(algo, file.read_bytes()) == digest for algo, digest in stored["hashes"].items())
-
-
-def read_journal(directory: str | os.PathLike) -> list[dict]:
-    """The shards a killed ShardWriter completed, each checked against its recorded size and hashes.
-
-    Reading stops at the first entry that is torn or whose file does not match: that shard and
-    everything after it are written again.
-    """
-    path = Path(directory) / JOURNAL_FILE
-    shards: list[dict] = []
-    if not path.is_file():
-        return shards
-    for line in path.read_text().splitlines():
-        try:
-            shard = json.loads(line)
-        except json.JSONDecodeError:
-            break
-        if not shard_file_intact(directory, shard):
-            break
-        shards.append(shard)
-    path.write_text("".join(json.dumps(s, sort_keys=True) + "\n" for s in shards))  # drop the torn tail
-    return shards
 
 
 def parse_size(size: str | int) -> int:

@@ -18,10 +18,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokstream.conversion_state import STATE_FILE
 from tokstream.errors import UserError
 from tokstream.format import shard_file_intact
 from tokstream.object_store import S3Dataset, Uploader, UploadError, is_s3
+from tokstream.resume import RESUME_KEY_FILE, STATE_FILE, key_matches, partial_path, replaced_path, write_key
 
 
 @dataclass
@@ -42,17 +42,11 @@ class Staging:
         return self.remote_sizes.get(f"{split}/{stored['basename']}") == stored["bytes"]
 
 
-RESUME_KEY_FILE = ".resume-key.json"
-
-
-def file_stamp(path: str | os.PathLike) -> list[int]:
-    """Size and modification time of an input, for a resume key: a changed input is not resumed."""
-    stat = os.stat(path)
-    return [stat.st_size, stat.st_mtime_ns]
-
-
-def partial_path(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
+def refuse_existing_output(out: str | os.PathLike, overwrite: bool) -> None:
+    """A local output that already holds something is replaced only with --overwrite."""
+    out = Path(out)
+    if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
+        raise UserError(f"output {out} already exists: pass --overwrite to replace it, or choose another --out")
 
 
 @contextmanager
@@ -70,11 +64,10 @@ def staged_output(out: str | os.PathLike, overwrite: bool, staging_dir: str | No
     out = Path(out)
     staging = partial_path(out)
     key_file = staging / RESUME_KEY_FILE
-    if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
-        raise UserError(f"output {out} already exists: pass --overwrite to replace it, or choose another --out")
+    refuse_existing_output(out, overwrite)
     resumed = False
     if staging.exists():
-        if resume_key is not None and key_file.is_file() and json.loads(key_file.read_text()) == resume_key:
+        if key_matches(key_file, resume_key):
             resumed = True
         elif not overwrite:
             raise UserError(f"{staging} is left from an interrupted conversion of other inputs or settings: "
@@ -84,7 +77,7 @@ def staged_output(out: str | os.PathLike, overwrite: bool, staging_dir: str | No
     if not resumed:
         staging.mkdir(parents=True)
         if resume_key is not None:
-            key_file.write_text(json.dumps(resume_key))
+            write_key(key_file, resume_key)
     try:
         yield Staging(staging, resumed=resumed)
     except KeyboardInterrupt:
@@ -95,7 +88,7 @@ def staged_output(out: str | os.PathLike, overwrite: bool, staging_dir: str | No
         shutil.rmtree(staging, ignore_errors=True)
         raise
     key_file.unlink(missing_ok=True)
-    replaced = out.with_name(out.name + ".replaced")
+    replaced = replaced_path(out)
     if out.exists():
         shutil.rmtree(replaced, ignore_errors=True)
         os.replace(out, replaced) if out.is_dir() else out.unlink()

@@ -1,14 +1,14 @@
-"""Text conversion as a whole: in one go, or part by part (tokstream/parts.py) and merged."""
-
-from pathlib import Path
+"""Text conversion as a whole: in one pass (text_one_pass.py), or part by part and merged (text_parts.py)."""
 
 from tokstream.cleaning import Cleaning, CleaningStats, clean_documents
-from tokstream.conversion import ConversionOptions, convert_documents
 from tokstream.errors import UserError
 from tokstream.format import DatasetMetadata
 from tokstream.object_store import is_s3
-from tokstream.parts import assign_files, convert_part, merge_parts, resolve_part
+from tokstream.options import ConversionOptions
 from tokstream.sources import open_source
+from tokstream.staging import refuse_existing_output
+from tokstream.text_one_pass import convert_documents
+from tokstream.text_parts import assign_files, convert_part, merge_parts, resolve_part
 from tokstream.tokenizer import Tokenizer
 
 
@@ -20,7 +20,6 @@ def convert_text(inputs: list[str], out: str, source_kwargs: dict, cleaning: Cle
     Without num_parts: one pass. With num_parts: `part` runs that part only; `merge` joins finished
     parts; neither runs every unfinished part and then merges, so a killed run resumes by part.
     """
-    options.validate()
     source = open_source(inputs, **source_kwargs)
     source.description.update(cleaning.describe())
     if num_parts is None:
@@ -34,8 +33,8 @@ def convert_text(inputs: list[str], out: str, source_kwargs: dict, cleaning: Cle
         raise UserError("--num-parts needs local input files (a hub dataset streams as one part)")
     if options.max_docs is not None:
         raise UserError("--max-docs cannot be combined with --num-parts")
-    if not is_s3(out) and Path(out).exists() and not options.overwrite:
-        raise UserError(f"output {out} already exists: pass --overwrite to replace it, or choose another --out")
+    if not is_s3(out):
+        refuse_existing_output(out, options.overwrite)  # before tokenizing parts for an output we may not write
     assignment = assign_files(source.description["files"], num_parts)
     index = resolve_part(part, num_parts)
     todo = [] if merge else [index] if index is not None else list(range(num_parts))

@@ -1,14 +1,18 @@
 """Tokenizing documents in parallel, in input order, with a bounded number of batches in flight."""
 
 import hashlib
+import itertools
 import multiprocessing
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+from tqdm import tqdm
 
 from tokstream.cleaning import fingerprint
+from tokstream.options import ConversionOptions
 from tokstream.tokenizer import Tokenizer, load_tokenizer
 
 BATCH_CHARS = 1 << 20  # about 1 MB of text per task: large enough to amortise pickling
@@ -113,3 +117,23 @@ def tokenize_documents(documents: Iterable[str], tokenizer: Tokenizer, seed: int
                 yield in_flight.popleft().get()
         while in_flight:
             yield in_flight.popleft().get()
+
+
+def tokenized_batches(documents: Iterable[str], tokenizer: Tokenizer, options: ConversionOptions,
+                      dtype, fingerprints: bool = False, skip: int = 0) -> Iterator[TokenizedBatch]:
+    """Tokenized batches in input order, behind a progress bar (docs/s, tokens/s).
+
+    The first `skip` documents are read (and pass through any cleaning) but not tokenized.
+    """
+    documents = itertools.islice(itertools.islice(documents, options.max_docs), skip, None)
+    started = time.monotonic()
+    total_tokens = 0
+    with tqdm(unit=" docs", desc="tokenizing", disable=not options.progress, total=options.max_docs,
+              initial=skip, smoothing=0.1, delay=2) as bar:
+        for batch in tokenize_documents(documents, tokenizer, options.seed, options.val_fraction, dtype,
+                                        options.num_workers, fingerprints):
+            yield batch
+            total_tokens += len(batch.train) + len(batch.val)
+            bar.update(batch.train_docs + batch.val_docs)
+            bar.set_postfix_str(f"{total_tokens / max(time.monotonic() - started, 1e-9) / 1e6:.2f}M tok/s",
+                                refresh=False)

@@ -22,13 +22,15 @@ from pathlib import Path
 import numpy as np
 
 from tokstream.cleaning import Cleaning, CleaningStats, FingerprintSet, clean_documents
-from tokstream.conversion import (ConversionOptions, SplitWriter, finish_dataset, new_metadata, split_names,
-                                  tokenized_batches)
+from tokstream.dataset_writer import SplitWriter, finish_dataset, text_metadata
 from tokstream.errors import UserError
 from tokstream.format import DatasetMetadata, token_dtype
 from tokstream.object_store import is_s3
+from tokstream.options import ConversionOptions
+from tokstream.resume import PART_DONE_FILE
 from tokstream.sources import DocumentSource
 from tokstream.staging import staged_output
+from tokstream.tokenize_docs import tokenized_batches
 from tokstream.tokenizer import Tokenizer
 
 DOC_RECORD = np.dtype([("fingerprint", "<u8"), ("tokens", "<i8")])
@@ -85,12 +87,12 @@ def convert_part(source: DocumentSource, part: int, num_parts: int, out: str, to
                  options: ConversionOptions, cleaning: Cleaning) -> bool:
     """Tokenize one part's documents; return False if that part was already complete."""
     directory = part_dir(out, part, num_parts, options.staging_dir)
-    if (directory / "part.json").is_file():
+    if (directory / PART_DONE_FILE).is_file():
         return False
     stats = CleaningStats()
     no_dedup = dataclasses.replace(cleaning, dedup_memory=None)  # dedup happens at the merge, over all parts
     documents = clean_documents(source, no_dedup, stats)
-    names = split_names(options)
+    names = options.text_splits
     with staged_output(directory, overwrite=True) as staging:
         tokens = {name: open(staging.path / f"{name}.tokens", "wb") for name in names}
         records = {name: open(staging.path / f"{name}.docs", "wb") for name in names}
@@ -106,7 +108,7 @@ def convert_part(source: DocumentSource, part: int, num_parts: int, out: str, to
         for handle in [*tokens.values(), *records.values()]:
             handle.close()
         report = {"invalid_utf8_documents_replaced": source.stats.invalid_utf8_docs, "empty": stats.empty}
-        (staging.path / "part.json").write_text(json.dumps(report, sort_keys=True))
+        (staging.path / PART_DONE_FILE).write_text(json.dumps(report, sort_keys=True))
     return True
 
 
@@ -114,20 +116,19 @@ def merge_parts(out: str, num_parts: int, description: dict, tokenizer: Tokenize
                 cleaning: Cleaning) -> DatasetMetadata:
     """Join complete parts into the dataset `out`; the parts folder is removed afterwards."""
     directories = [part_dir(out, i, num_parts, options.staging_dir) for i in range(num_parts)]
-    missing = [str(i) for i, d in enumerate(directories) if not (d / "part.json").is_file()]
+    missing = [str(i) for i, d in enumerate(directories) if not (d / PART_DONE_FILE).is_file()]
     if missing:
         raise UserError(f"parts {', '.join(missing)} of {num_parts} are not finished: run them "
                         f"(--part I --num-parts {num_parts}) before --merge")
-    metadata = new_metadata(tokenizer, options, description)
+    metadata = text_metadata(tokenizer, options, description)
     seen = FingerprintSet(cleaning.dedup_memory) if cleaning.dedup_memory else None
     duplicates = 0
     extra = {"invalid_utf8_documents_replaced": 0, "empty": 0, "duplicates": 0}
     for directory in directories:
-        for key, value in json.loads((directory / "part.json").read_text()).items():
+        for key, value in json.loads((directory / PART_DONE_FILE).read_text()).items():
             extra[key] += value
     with staged_output(out, options.overwrite, options.staging_dir) as staging:
-        outputs = {name: SplitWriter(name, staging.path / name, metadata, options, staging.on_file)
-                   for name in split_names(options)}
+        outputs = {name: SplitWriter(name, staging.path / name, metadata, options, staging.on_file) for name in options.text_splits}
         # Split by content hash, so a repeat lands in its first occurrence's split: one set serves both.
         for directory in directories:
             for name, output in outputs.items():
@@ -155,7 +156,7 @@ def _merge_split(directory: Path, name: str, output: SplitWriter, metadata: Data
     for first, last in zip(edges[::2], edges[1::2]):
         run_start, run_end = int(starts[first]), int(ends[last - 1])
         for chunk_start in range(run_start, run_end, CHUNK_TOKENS):
-            chunk = np.asarray(tokens[chunk_start : min(run_end, chunk_start + CHUNK_TOKENS)])
-            output.add(chunk, 0)
-        output.stats.documents += int(last - first)
+            chunk_end = min(run_end, chunk_start + CHUNK_TOKENS)
+            documents = int(last - first) if chunk_end == run_end else 0  # the run's, with its last chunk
+            output.add(np.asarray(tokens[chunk_start:chunk_end]), documents)
     return int(len(records) - keep.sum())

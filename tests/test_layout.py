@@ -1,0 +1,53 @@
+"""The layout's rules, checked on the source: streaming's internals behind one fence, no path tricks."""
+
+import re
+import subprocess
+import sys
+
+from conftest import ROOT
+
+FENCE = ROOT / "tokstream/train/streaming_internals.py"
+# Private names of mosaicml-streaming the project relies on (see the fence's docstring).
+STREAMING_PRIVATE = re.compile(
+    r"streaming\.base|_ShardState|_shard_states|_shard_access_times|_prepare_thread|_ready_thread|"
+    r"_pack_locals|_unpack_locals|_shm_prefix_int|\._event\b|\bTICK\b"
+)
+SCRIPT_FOLDERS = ("convert", "train", "bench", "scripts")
+PATH_EDIT = re.compile(r"sys\.path\.(insert|append|extend|remove)\(|sys\.path\s*(\+)?=")
+ROOT_FIRST = ("sys.path.insert(0, str(ROOT))", "sys.path.insert(0, str(Path(__file__).resolve().parents[1]))")
+
+
+def python_files() -> list:
+    folders = ("tokstream", "tests", *SCRIPT_FOLDERS)
+    return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
+
+
+def test_streaming_internals_are_used_only_behind_the_fence():
+    offenders = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+                 for path in python_files() if path not in (FENCE, ROOT / "tests/test_layout.py")
+                 for number, line in enumerate(path.read_text().splitlines(), start=1)
+                 if STREAMING_PRIVATE.search(line)]
+    assert not offenders, "\n".join(offenders)
+    assert STREAMING_PRIVATE.search(FENCE.read_text())  # the pattern still finds what the fence does
+
+
+def test_only_scripts_edit_sys_path_and_only_to_put_the_repository_root_first():
+    edits = {path: [line.strip() for line in path.read_text().splitlines() if PATH_EDIT.search(line)]
+             for path in python_files() if path != ROOT / "tests/test_layout.py"}
+    assert edits[ROOT / "train/main.py"]  # the check sees the edits that are there
+    for path, lines in edits.items():
+        if path.parent.name in SCRIPT_FOLDERS:
+            assert all(line.startswith(ROOT_FIRST) for line in lines), (path, lines)
+        else:
+            assert not lines, (path, lines)
+
+
+def test_another_streaming_version_is_refused_in_one_line():
+    probe = ("import streaming; streaming.__version__ = '0.99.0'\n"
+             "from tokstream.errors import UserError\n"
+             "try:\n    import tokstream.train.streaming_internals\n"
+             "except UserError as err:\n    print(err)\n    raise SystemExit(3)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert "mosaicml-streaming 0.99.0 is installed" in done.stdout
+    assert "pip install mosaicml-streaming==0.13.0" in done.stdout
