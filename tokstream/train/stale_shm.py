@@ -21,19 +21,29 @@ SHM_DIR = Path("/dev/shm")
 _BLOCK = re.compile(r"^(\d{6})_(%s)$" % "|".join(map(re.escape, SHM_BLOCK_SUFFIXES)))
 
 
-def mapped_shm_names() -> set[str]:
-    """Names of /dev/shm files that some process we can see has mapped."""
-    names = set()
+def mapped_shm_inodes() -> set[int]:
+    """Inodes of the /dev/shm files that some process we can see has mapped.
+
+    By inode, not name: a process may still map an older block of the same name that its job
+    unlinked (listed as "(deleted)"), which says nothing about the file now under that name.
+    """
+    inodes = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
             text = maps.read_text()
         except OSError:  # the process ended, or belongs to another user (whose blocks we cannot unlink)
             continue
         for line in text.splitlines():
-            at = line.find(" /dev/shm/")
-            if at >= 0:
-                names.add(line[at + len(" /dev/shm/"):].removesuffix(" (deleted)"))
-    return names
+            if " /dev/shm/" in line:
+                inodes.add(int(line.split(maxsplit=5)[4]))  # address perms offset dev inode path
+    return inodes
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
 
 
 def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
@@ -56,10 +66,10 @@ def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
             candidates[prefix] = names
     if not candidates:
         return []
-    in_use = mapped_shm_names()
+    in_use = mapped_shm_inodes()
     removed = []
     for prefix, names in candidates.items():
-        if in_use.intersection(names):
+        if any(_inode(SHM_DIR / name) in in_use for name in names):
             continue  # a live process still uses it
         for name in names:
             try:
