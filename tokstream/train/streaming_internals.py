@@ -122,10 +122,23 @@ class WindowedDownloadAhead(StreamingDataset):
                 time.sleep(TICK)
                 continue
             stop, shards = self._window(it, it.ready_index)
-            for shard_id in shards.tolist():
-                if self._shard_states[shard_id] == _REMOTE:
-                    self.prepare_shard(shard_id, False)
-                while self._shard_states[shard_id] != _LOCAL and not self._event.is_set():
-                    time.sleep(TICK)
-            it.ready_index = stop
+            if all(self._wait_until_local(it, shard_id) for shard_id in shards.tolist()):
+                it.ready_index = stop
         it.on_exit()
+
+    def _wait_until_local(self, it, shard_id: int) -> bool:
+        """Fetch the shard if it is remote and wait until it is local; False if the iterator is done first.
+
+        Unlike streaming's own wait, this one re-fetches a shard evicted (back to REMOTE) while it
+        waited, and gives up when the iterator exits (a new epoch, or process exit). Without both,
+        a thread waiting on an evicted shard never ends and the process hangs at exit (seen on a
+        loaded node with a small cache_limit).
+        """
+        while self._shard_states[shard_id] != _LOCAL:
+            if it.should_exit() or self._event.is_set():
+                return False
+            if self._shard_states[shard_id] == _REMOTE:
+                self.prepare_shard(shard_id, False)
+            else:
+                time.sleep(TICK)  # another thread or rank is downloading it
+        return True
