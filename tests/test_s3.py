@@ -245,13 +245,24 @@ def test_train_from_s3_preempt_and_resume_exactly(s3_reference, plays_on_s3, tmp
     assert training.trained_steps(run_dir) == s3_reference
 
 
+ANOTHER_JOB = """
+import sys
+from streaming import StreamingDataset
+dataset = StreamingDataset(remote=sys.argv[1], local=sys.argv[2], split="train", shuffle=False, batch_size=1)
+next(iter(dataset))
+print("reading", flush=True)
+sys.stdin.readline()
+"""
+
+
 def test_relaunch_after_a_hard_kill_clears_the_stale_shared_memory(s3_reference, plays_on_s3, tmp_path):
     """A run killed together with its resource trackers (node-level kill, cgroup OOM) leaves
     streaming's shared memory behind, which makes stock streaming refuse the relaunch; ours
-    removes those blocks at start and resumes exactly."""
+    removes those blocks at start and resumes exactly, also while another job on the node, started
+    after the kill, maps them (streaming keeps every block it walked past mapped until exit)."""
     import test_training as training
 
-    from tokstream.train.stale_shm import SHM_DIR
+    from tokstream.train.stale_shm import SHM_DIR, mapped_shm_inodes
     from tokstream.train.streaming_internals import locals_of_block
 
     run_dir = tmp_path / "run"
@@ -265,12 +276,19 @@ def test_relaunch_after_a_hard_kill_clears_the_stale_shared_memory(s3_reference,
     stale = [p.name for p in SHM_DIR.glob("*_locals") if any(d.startswith(cache) for d in
                                                            locals_of_block(p.read_bytes()))]
     assert stale, "the kill left no shared memory behind: the test no longer reproduces a hard kill"
+    other_job = subprocess.Popen([sys.executable, "-c", ANOTHER_JOB, plays_on_s3, str(tmp_path / "other-cache")],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other_job.stdout.readline() == "reading\n"
+        assert (SHM_DIR / stale[0]).stat().st_ino in mapped_shm_inodes()  # the other job maps our stale blocks
 
-    refused = training.launch(2, plays_on_s3, run_dir, *settings, "data.clean_stale_shared_memory=false")
-    output, _ = refused.communicate(timeout=300)
-    assert refused.returncode != 0 and "Reused local directory" in output, output[-3000:]
+        refused = training.launch(2, plays_on_s3, run_dir, *settings, "data.clean_stale_shared_memory=false")
+        output, _ = refused.communicate(timeout=300)
+        assert refused.returncode != 0 and "Reused local directory" in output, output[-3000:]
 
-    output = training.train(2, plays_on_s3, run_dir, *settings)
-    assert "shared-memory blocks a killed run of this dataset left behind" in output
-    assert not any((SHM_DIR / name).exists() for name in stale)
-    assert training.trained_steps(run_dir) == s3_reference
+        output = training.train(2, plays_on_s3, run_dir, *settings)
+        assert "shared-memory blocks a killed run of this dataset left behind" in output
+        assert not any((SHM_DIR / name).exists() for name in stale)
+        assert training.trained_steps(run_dir) == s3_reference
+    finally:
+        other_job.communicate("done\n", timeout=60)

@@ -45,3 +45,38 @@ def test_a_block_mapped_by_a_live_process_stays(tmp_path):
     finally:
         for block in blocks:
             block.unlink(missing_ok=True)
+
+
+def test_owner_records_decide_for_prefixes_our_trainer_registered(tmp_path):
+    """A prefix whose recorded owners are all gone is stale even while other processes map it; one
+    whose owner still runs is kept even when nothing maps it."""
+    import subprocess
+    import sys
+
+    from tokstream.train.stale_shm import OWNER_MARK, _start_time
+
+    def plant(prefix: int, directory: str) -> list:
+        blocks = [SHM_DIR / f"{prefix}_{LOCALS_BLOCK}", SHM_DIR / f"{prefix}_barrier"]
+        blocks[0].write_bytes(locals_block([directory], prefix))
+        blocks[1].write_bytes(bytes(4096))
+        return blocks
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    alive = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)
+    killed = plant(PREFIX, str(tmp_path / "train"))
+    running = plant(PREFIX + 1, str(tmp_path / "val"))
+    marks = [SHM_DIR / f"{PREFIX}_{OWNER_MARK}.{int(gone.stdout)}.1",  # a pid that has ended
+             SHM_DIR / f"{PREFIX + 1}_{OWNER_MARK}.{alive.pid}.{_start_time(alive.pid)}"]
+    try:
+        for mark in marks:
+            mark.touch()
+        with open(killed[1], "r+b") as handle:
+            walker = mmap.mmap(handle.fileno(), 4096)  # e.g. another job that walked past this prefix
+        removed = remove_stale_shared_memory([str(tmp_path / "train"), str(tmp_path / "val")])
+        assert removed == sorted(block.name for block in killed)
+        assert not marks[0].exists() and marks[1].exists() and all(block.exists() for block in running)
+        walker.close()
+    finally:
+        alive.communicate(b"\n", timeout=60)
+        for path in killed + running + marks:
+            path.unlink(missing_ok=True)

@@ -5,8 +5,15 @@ blocks (/dev/shm/000007_locals, _barrier, ...). A run killed with its resource t
 loss, a cgroup kill, OOM) leaves them behind, and a relaunch that reads the same remote into the
 same cache directory is refused ("Reused local directory"). streaming's own
 `clean_stale_shared_memory()` unlinks every prefix from 0 up to the first gap, including those
-of other live jobs on the node, and misses stale ones past a gap. Here a prefix is removed only
-when its `locals` block names one of our cache directories and no process maps any of its blocks.
+of other live jobs on the node, and misses stale ones past a gap.
+
+Here a prefix is removed only when its `locals` block names one of our cache directories and it
+is not in use. In use means: for a prefix our trainer registered, one of the processes that
+recorded themselves as its owners (`record_owner`, a `NNNNNN_tokstream_owner.PID.START` file
+beside the blocks) is still running. Whether a process maps the blocks says little, because
+every process that ever starts a StreamingDataset maps every prefix it walks past for the rest
+of its life (streaming keeps each attached block alive through an atexit hook). For a prefix
+without owner records (another program's), mapped by any process counts as in use.
 """
 
 import os
@@ -19,6 +26,32 @@ from tokstream.train.streaming_internals import (LOCALS_BLOCK, LOCK_FILE_SUFFIXE
 
 SHM_DIR = Path("/dev/shm")
 _BLOCK = re.compile(r"^(\d{6})_(%s)$" % "|".join(map(re.escape, SHM_BLOCK_SUFFIXES)))
+OWNER_MARK = "tokstream_owner"
+_OWNER = re.compile(r"^(\d{6})_%s\.(\d+)\.(\d+)$" % OWNER_MARK)
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (tells a reused pid apart), or None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22; fields after the command start at 3
+
+
+def record_owner(prefix: int) -> Path | None:
+    """Mark this process as a user of a prefix it registered or attached to; `release_owner` unmarks it."""
+    start = _start_time(os.getpid())
+    if not SHM_DIR.is_dir() or start is None:
+        return None
+    path = SHM_DIR / f"{prefix:06d}_{OWNER_MARK}.{os.getpid()}.{start}"
+    path.touch()
+    return path
+
+
+def release_owner(path: Path | None) -> None:
+    if path is not None:
+        path.unlink(missing_ok=True)
 
 
 def mapped_shm_inodes() -> set[int]:
@@ -47,17 +80,20 @@ def _inode(path: Path) -> int | None:
 
 
 def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
-    """Unlink the unmapped streaming prefixes registered for any of `local_dirs`; returns the names removed."""
+    """Unlink the streaming prefixes registered for any of `local_dirs` that are not in use; returns
+    the names of the blocks removed."""
     if not SHM_DIR.is_dir():  # not Linux: nothing we can inspect safely
         return []
     ours = {os.path.abspath(d) for d in local_dirs}
-    prefixes: dict[str, list[str]] = {}
+    blocks: dict[str, list[str]] = {}
+    owners: dict[str, list[tuple[str, int, int]]] = {}
     for path in SHM_DIR.iterdir():
-        match = _BLOCK.match(path.name)
-        if match:
-            prefixes.setdefault(match.group(1), []).append(path.name)
+        if match := _BLOCK.match(path.name):
+            blocks.setdefault(match.group(1), []).append(path.name)
+        elif match := _OWNER.match(path.name):
+            owners.setdefault(match.group(1), []).append((path.name, int(match.group(2)), int(match.group(3))))
     candidates = {}
-    for prefix, names in prefixes.items():
+    for prefix, names in blocks.items():
         try:
             their_locals = locals_of_block((SHM_DIR / f"{prefix}_{LOCALS_BLOCK}").read_bytes())
         except (OSError, ValueError, IndexError):
@@ -66,20 +102,33 @@ def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
             candidates[prefix] = names
     if not candidates:
         return []
-    in_use = mapped_shm_inodes()
+    mapped = None  # read only if some candidate has no owner records
     removed = []
     for prefix, names in candidates.items():
-        if any(_inode(SHM_DIR / name) in in_use for name in names):
-            continue  # a live process still uses it
-        for name in names:
-            try:
-                (SHM_DIR / name).unlink()
-                removed.append(name)
-            except (FileNotFoundError, PermissionError):
-                pass
+        recorded = owners.get(prefix, [])
+        if recorded:
+            in_use = any(_start_time(pid) == start for _, pid, start in recorded)
+        else:
+            mapped = mapped_shm_inodes() if mapped is None else mapped
+            in_use = any(_inode(SHM_DIR / name) in mapped for name in names)
+        if in_use:
+            continue
+        removed += _unlink(names)
+        _unlink([name for name, _, _ in recorded])
         for lock in LOCK_FILE_SUFFIXES:
             try:
                 Path(gettempdir(), f"{prefix}_{lock}").unlink(missing_ok=True)
             except PermissionError:
                 pass
     return sorted(removed)
+
+
+def _unlink(names: list[str]) -> list[str]:
+    done = []
+    for name in names:
+        try:
+            (SHM_DIR / name).unlink()
+            done.append(name)
+        except (FileNotFoundError, PermissionError):
+            pass
+    return done

@@ -7,10 +7,13 @@ shuffle, resume state and cache); the private parts of streaming this relies on 
 streaming_internals.py.
 """
 
+import os
+
 import numpy as np
 
 from tokstream.format import parse_column_encoding, shard_samples
 from tokstream.train import streaming_internals as internals
+from tokstream.train.stale_shm import record_owner, release_owner
 
 
 class TokenDataset(internals.WindowedDownloadAhead):
@@ -28,6 +31,13 @@ class TokenDataset(internals.WindowedDownloadAhead):
         super().__init__(*args, **kwargs)
         self._views: dict[int, np.ndarray] = {}  # shard id -> (samples, tokens) view of its mapped file
         self._sample_format: tuple[np.dtype, int] | None = None
+        # Lets a relaunch tell this prefix's shared memory from a killed run's (stale_shm.py).
+        self._owner_pid, self._owner_record = os.getpid(), record_owner(internals.shm_prefix(self))
+
+    def __del__(self) -> None:
+        if getattr(self, "_owner_pid", None) == os.getpid():  # not in a DataLoader worker's copy
+            release_owner(self._owner_record)
+        super().__del__()
 
     def _map_shard(self, shard_id: int) -> np.ndarray:
         if self._sample_format is None:
