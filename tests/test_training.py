@@ -239,3 +239,37 @@ def test_config_that_does_not_fit_the_dataset_is_refused(dataset, tmp_path):
     assert process.returncode != 0
     assert "dataset block_size 64 != model block_size 128" in output
     assert not list(tmp_path.glob("ckpt-*"))
+
+
+def tiny_splits(root: Path, train_samples: int, val_samples: int) -> Path:
+    """A dataset with exactly these sample counts (block 64), from token files."""
+    import numpy as np
+
+    from tokstream.options import ConversionOptions
+    from tokstream.token_conversion import convert_token_files
+    from tokstream.token_files import open_token_file
+
+    files = {}
+    for split, samples in (("train", train_samples), ("val", val_samples)):
+        path = root / f"{split}.bin"
+        (np.arange(samples * 64 + 1) * 7919 % 50256).astype("<u2").tofile(path)
+        files[split] = [open_token_file(path)]
+    convert_token_files(files, str(root / "ds"), "gpt2", 50257, 50256, ConversionOptions(block_size=64, progress=False))
+    return root / "ds"
+
+
+def test_train_split_smaller_than_a_step_is_refused_in_one_line(tmp_path):
+    """2 ranks x 4 samples on a 5-sample split: each rank would wait forever for its first batch."""
+    process = launch(2, tiny_splits(tmp_path, 5, 3), tmp_path / "run")
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert "error: the train split has 5 samples, fewer than one step's global_batch_size 8" in output
+    assert not list((tmp_path / "run").glob("ckpt-*"))
+
+
+def test_val_split_smaller_than_a_batch_turns_evaluation_off_with_one_line(tmp_path):
+    """3 val samples cannot give each of 2 ranks a batch of 4: no made-up val_loss of 0."""
+    output = train(2, tiny_splits(tmp_path, 40, 3), tmp_path / "run", "max_steps=8")
+    assert "evaluation is off: the val split has 3 samples, fewer than one micro-batch of 4 on each of 2 ranks" in output
+    assert [m["step"] for m in metrics(tmp_path / "run")] == list(range(1, 9))
+    assert not any("val_loss" in m for m in metrics(tmp_path / "run"))

@@ -7,6 +7,7 @@ TokenDataset.get_item (token_dataset.py).
 """
 
 import hashlib
+import math
 import os
 import signal
 from collections.abc import Iterator
@@ -97,6 +98,20 @@ def open_dataset(config: DataConfig, vocab_size: int, block_size: int) -> Traini
     metadata = read_metadata(root)
     check_compatible(metadata, vocab_size, block_size, config.remote)
     return TrainingDataset(metadata, dataset_identity(root, config.split))
+
+
+def check_train_split_holds_a_step(dataset: TrainingDataset, split: str, global_batch_size: int) -> None:
+    """Refuse a train split smaller than one optimizer step (its ranks would wait forever for a batch)."""
+    samples = dataset.splits[split].samples
+    if samples < global_batch_size:
+        raise UserError(f"the {split} split has {samples} samples, fewer than one step's global_batch_size "
+                        f"{global_batch_size}: convert more data or lower global_batch_size")
+
+
+def val_split_holds_a_batch(dataset: TrainingDataset, split: str, world_size: int, micro_batch_size: int) -> bool:
+    """Whether every rank gets at least one micro-batch of the split (streaming gives each rank
+    ceil(samples / ranks) samples and the loader drops a partial batch)."""
+    return math.ceil(dataset.splits[split].samples / world_size) >= micro_batch_size
 
 
 # Settings the global sample order depends on: a resumed run must keep them.

@@ -52,6 +52,7 @@ def setup(config: TrainConfig) -> Run:
     dist = Distributed.start(config.device)
     plan = BatchPlan(config.global_batch_size, config.micro_batch_size, dist.world)
     dataset = data.open_dataset(config.data, config.model.vocab_size, config.model.block_size)
+    data.check_train_split_holds_a_step(dataset, config.data.split, config.global_batch_size)
     checkpointer = Checkpointer(config.run_dir, config.keep_checkpoints, dist)
     checkpoint_path, saved = checkpointer.latest()
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
@@ -72,10 +73,14 @@ def setup(config: TrainConfig) -> Run:
         dist.barrier()
     use_cuda = dist.device.type == "cuda"
     batches = data.TrainBatches(config.data, config.micro_batch_size, pin_memory=use_cuda)
-    val_loader = None
-    if config.data.val_split in dataset.splits and config.eval_interval:
-        val_loader = data.make_loader(config.data, config.data.val_split, config.micro_batch_size, shuffle=False,
-                                      pin_memory=use_cuda, num_workers=0)
+    val_loader, val_split = None, config.data.val_split
+    if val_split in dataset.splits and config.eval_interval:
+        if data.val_split_holds_a_batch(dataset, val_split, dist.world, config.micro_batch_size):
+            val_loader = data.make_loader(config.data, val_split, config.micro_batch_size, shuffle=False,
+                                          pin_memory=use_cuda, num_workers=0)
+        elif dist.master:
+            print(f"evaluation is off: the {val_split} split has {dataset.splits[val_split].samples} samples, "
+                  f"fewer than one micro-batch of {config.micro_batch_size} on each of {dist.world} ranks")
     model = torch.compile(raw_model) if config.compile else raw_model
     if dist.enabled:
         model = DDP(model, device_ids=[dist.local_rank] if use_cuda else None)
