@@ -124,8 +124,8 @@ def report(title: str, rates: dict[str, float]) -> None:
 
 def remote_rates(root: Path, tmp: Path, batches: int, memmap_rate: float) -> None:
     """The same dataset uploaded to S3 on 127.0.0.1, each loader from its own cold cache."""
-    from s3_server import start_loopback_s3
     from tokstream.object_store import S3Dataset
+    from tokstream.testing.loopback_s3 import start_loopback_s3
 
     start_loopback_s3("bench")  # stays up until the process ends (see below)
     store = S3Dataset("s3://bench/ds")
@@ -145,4 +145,7 @@ def remote_rates(root: Path, tmp: Path, batches: int, memmap_rate: float) -> Non
 
 
 if __name__ == "__main__":
-    main()
+    from tokstream.testing.lock_files import removing_new_lock_files
+
+    with removing_new_lock_files():
+        main()

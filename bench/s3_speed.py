@@ -87,4 +87,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from tokstream.testing.lock_files import removing_new_lock_files
+
+    with removing_new_lock_files():
+        main()

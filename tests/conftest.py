@@ -18,25 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="session", autouse=True)
 def remove_the_lock_files_streaming_leaves():
-    """Every StreamingDataset leaves NNNNNN_*_filelock files in /tmp, and each later one walks past
-    all of them to find a free prefix: left to pile up, they slow every start on the machine. Those
-    this session created are removed at its end, unless their prefix is in use (has shm blocks)."""
-    from tempfile import gettempdir
+    from tokstream.testing.lock_files import removing_new_lock_files
 
-    from tokstream.train.streaming_internals import LOCK_FILE_SUFFIXES
-
-    pattern = re.compile(r"^(\d{6})_(%s)$" % "|".join(map(re.escape, LOCK_FILE_SUFFIXES)))
-
-    def lock_files() -> set[Path]:
-        return {p for p in Path(gettempdir()).iterdir() if pattern.match(p.name)}
-
-    before = lock_files()
-    yield
-    shm = Path("/dev/shm")
-    live = {p.name[:6] for p in shm.iterdir()} if shm.is_dir() else set()
-    for path in lock_files() - before:
-        if path.name[:6] not in live:
-            path.unlink(missing_ok=True)
+    with removing_new_lock_files():
+        yield
 
 
 def wikitext_articles() -> list[str]:
