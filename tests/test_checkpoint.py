@@ -55,7 +55,7 @@ def _components(seed: int):
 
 
 def test_checkpoint_is_assembled_from_components_and_restores_them(tmp_path):
-    from tokstream.train.checkpoint import Checkpointer
+    from tokstream.train.checkpoint import Checkpointer, find_latest
     from tokstream.train.distributed import Distributed
 
     single = Distributed(rank=0, world=1, local_rank=0, device=torch.device("cpu"), enabled=False)
@@ -63,15 +63,12 @@ def test_checkpoint_is_assembled_from_components_and_restores_them(tmp_path):
     trained["model"](torch.ones(2, 4)).sum().backward()
     trained["optimizer"].step()  # AdamW now has moments to save
     trained["progress"].step = 7
-    saver = Checkpointer(tmp_path, keep=2, dist=single)
-    saver.components, saver.run_record = trained, {"note": "facts a relaunch is checked against"}
-    saver.save(7)
+    Checkpointer(tmp_path, 2, single, trained, {"note": "facts a relaunch is checked against"}).save(7)
 
-    loader = Checkpointer(tmp_path, keep=2, dist=single)
-    path, saved = loader.latest()
+    path, saved = find_latest(tmp_path)
     assert path.name == "ckpt-00000007.pt" and set(saved) == {"model", "optimizer", "progress", "run"}
-    fresh = loader.components = _components(seed=2)
-    loader.restore(saved)
+    fresh = _components(seed=2)
+    Checkpointer(tmp_path, 2, single, fresh, {}).restore(saved)
     assert fresh["progress"].step == 7
     assert torch.equal(fresh["model"].weight, trained["model"].weight)
     assert fresh["optimizer"].state_dict()["state"][0]["exp_avg"].equal(
@@ -79,13 +76,11 @@ def test_checkpoint_is_assembled_from_components_and_restores_them(tmp_path):
 
 
 def test_checkpoint_of_the_earlier_flat_layout_is_refused_in_one_line(tmp_path):
-    from tokstream.train.checkpoint import Checkpointer
-    from tokstream.train.distributed import Distributed
+    from tokstream.train.checkpoint import find_latest
 
     save_checkpoint(tmp_path, 4, {"model": {}, "optimizer": {}, "step": 4, "loader": {}, "rng": []}, keep=2)
-    single = Distributed(rank=0, world=1, local_rank=0, device=torch.device("cpu"), enabled=False)
     try:
-        Checkpointer(tmp_path, keep=2, dist=single).latest()
+        find_latest(tmp_path)
     except UserError as err:
         assert "ckpt-00000004.pt was written before" in str(err) and "new run_dir" in str(err)
     else:

@@ -273,3 +273,10 @@ def test_val_split_smaller_than_a_batch_turns_evaluation_off_with_one_line(tmp_p
     assert "evaluation is off: the val split has 3 samples, fewer than one micro-batch of 4 on each of 2 ranks" in output
     assert [m["step"] for m in metrics(tmp_path / "run")] == list(range(1, 9))
     assert not any("val_loss" in m for m in metrics(tmp_path / "run"))
+
+
+def test_a_split_the_dataset_does_not_have_is_refused_in_one_line(dataset, tmp_path):
+    process = launch(2, dataset, tmp_path, "data.split=training")
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert f"error: {dataset} has no training split (it has train, val): set data.split" in output

@@ -66,24 +66,25 @@ class Stateful(Protocol):
     def load_state_dict(self, state) -> None: ...
 
 
+def find_latest(run_dir: str | os.PathLike) -> tuple[Path, dict] | tuple[None, None]:
+    """The newest complete checkpoint of a run, as written (nothing is restored yet)."""
+    path, saved = load_latest_checkpoint(run_dir)
+    if saved is not None and "progress" not in saved:
+        raise UserError(f"{path} was written before checkpoints were assembled from components (tokstream "
+                        "before the tokstream.train package): resume it with that release, or use a new run_dir")
+    return path, saved
+
+
 class Checkpointer:
     """Saves and restores a run's components in its run_dir; rank 0 writes, every rank takes part."""
 
-    def __init__(self, run_dir: str | os.PathLike, keep: int, dist: Distributed):
+    def __init__(self, run_dir: str | os.PathLike, keep: int, dist: Distributed, components: dict[str, Stateful],
+                 run_record: dict):
         self.run_dir, self.keep, self.dist = Path(run_dir), keep, dist
-        self.components: dict[str, Stateful] = {}
-        self.run_record: dict = {}
+        self.components, self.run_record = components, run_record
         if dist.master:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-
-    def latest(self) -> tuple[Path, dict] | tuple[None, None]:
-        """The newest complete checkpoint, as written (nothing is restored yet)."""
-        path, saved = load_latest_checkpoint(self.run_dir)
-        if saved is not None and "progress" not in saved:
-            raise UserError(f"{path} was written before checkpoints were assembled from components (tokstream "
-                            "before the tokstream.train package): resume it with that release, or use a new run_dir")
-        return path, saved
 
     def restore(self, saved: dict) -> None:
         for name, component in self.components.items():

@@ -97,6 +97,9 @@ def open_dataset(config: DataConfig, vocab_size: int, block_size: int) -> Traini
     root = fetch_index_files(config)
     metadata = read_metadata(root)
     check_compatible(metadata, vocab_size, block_size, config.remote)
+    if config.split not in metadata.splits:
+        raise UserError(f"{config.remote} has no {config.split} split (it has {', '.join(metadata.splits)}): "
+                        "set data.split")
     return TrainingDataset(metadata, dataset_identity(root, config.split))
 
 

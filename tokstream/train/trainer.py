@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from tokstream.train import data
 from tokstream.train.batch_plan import BatchPlan
-from tokstream.train.checkpoint import Checkpointer, Progress
+from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
 from tokstream.train.config import TrainConfig
 from tokstream.train.distributed import Distributed
 from tokstream.train.metrics import MetricsLog, console_line
@@ -53,8 +53,7 @@ def setup(config: TrainConfig) -> Run:
     plan = BatchPlan(config.global_batch_size, config.micro_batch_size, dist.world)
     dataset = data.open_dataset(config.data, config.model.vocab_size, config.model.block_size)
     data.check_train_split_holds_a_step(dataset, config.data.split, config.global_batch_size)
-    checkpointer = Checkpointer(config.run_dir, config.keep_checkpoints, dist)
-    checkpoint_path, saved = checkpointer.latest()
+    checkpoint_path, saved = find_latest(config.run_dir)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
         old = saved["run"]
         data.check_resumable(old["config"]["data"], old["dataset_identity"], config.data, dataset)
@@ -87,10 +86,11 @@ def setup(config: TrainConfig) -> Run:
 
     progress, rng = Progress(), RankRNG(dist)
     rng.seed(config.seed)
-    checkpointer.components = {"model": raw_model, "optimizer": optimizer, "loader": batches, "rng": rng,
-                               "progress": progress}
-    checkpointer.run_record = {"config": config.to_dict(), "batch_plan": plan.state_dict(),
-                               "dataset_identity": dataset.identity}
+    checkpointer = Checkpointer(config.run_dir, config.keep_checkpoints, dist,
+                                components={"model": raw_model, "optimizer": optimizer, "loader": batches,
+                                            "rng": rng, "progress": progress},
+                                run_record={"config": config.to_dict(), "batch_plan": plan.state_dict(),
+                                            "dataset_identity": dataset.identity})
     if saved is not None:
         checkpointer.restore(saved)
         if dist.master:
