@@ -63,6 +63,9 @@ class TrainConfig:
     device: str = "auto"  # auto: cuda if available, else cpu
     dtype: str = "bfloat16"  # autocast dtype on GPU; CPU runs in float32
     compile: bool = False
+    # Deterministic kernels (torch.use_deterministic_algorithms): a resumed GPU run then repeats the
+    # uninterrupted run's losses bit for bit, at some cost in speed. CPU runs are deterministic anyway.
+    deterministic: bool = False
     log_interval: int = 10
     eval_interval: int = 2000
     eval_batches: int = 20

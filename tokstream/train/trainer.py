@@ -6,6 +6,7 @@ TokenDataset.get_item (token_dataset.py) and stacks it with data.collate; data.t
 the tokens on the device.
 """
 
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ class Run:
 
 def setup(config: TrainConfig) -> Run:
     """Build the run; with a checkpoint in run_dir, check it fits and continue from it."""
+    if config.deterministic:
+        use_deterministic_kernels()
     dist = Distributed.start(config.device)
     plan = BatchPlan(config.global_batch_size, config.micro_batch_size, dist.world)
     dataset = data.open_dataset(config.data, config.model.vocab_size, config.model.block_size)
@@ -100,6 +103,14 @@ def setup(config: TrainConfig) -> Run:
     autocast = torch.autocast("cuda", dtype=getattr(torch, config.dtype)) if use_cuda else nullcontext()
     return Run(config, dist, plan, raw_model, model, optimizer, batches, val_loader, progress, checkpointer,
                metrics, PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None)
+
+
+def use_deterministic_kernels() -> None:
+    """Kernels that give the same bits on every run, so a resumed GPU run repeats its losses exactly."""
+    # cuBLAS reads this when its first handle is made, i.e. before the model's first matmul.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def train(config: TrainConfig) -> None:
