@@ -42,8 +42,10 @@ def finish(process: subprocess.Popen) -> str:
 
 
 def records(run_dir: Path) -> list[dict]:
+    """The run's metrics; a line still being written (no newline yet) is left out."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    whole_lines = path.read_text().rpartition("\n")[0] if path.exists() else ""
+    return [json.loads(line) for line in whole_lines.splitlines() if line]
 
 
 def preempted_run(nproc: int, config: str, run_dir: Path, overrides: list[str], preempt_at: int) -> float:

@@ -79,19 +79,32 @@ def project_source(config, batch: int, device: torch.device):
 
 
 def run_steps(model, optimizer, next_batch, steps: int, accumulation: int, autocast, grad_clip: float,
-              device: torch.device) -> tuple[float, float]:
-    """Wall seconds for `steps` optimizer steps, and the seconds of it spent inside next_batch."""
+              device: torch.device, fetch_ahead: bool = False) -> tuple[float, float]:
+    """Wall seconds for `steps` optimizer steps, and the seconds of it spent inside next_batch.
+
+    fetch_ahead: ask for the next micro-batch right after the forward pass is queued, as nanoGPT's
+    train.py does, so the fetch overlaps the GPU's work also across the per-step loss sync.
+    """
     host_wait = 0.0
+
+    def fetch():
+        nonlocal host_wait
+        asked = time.perf_counter()
+        batch = next_batch()
+        host_wait += time.perf_counter() - asked
+        return batch
+
     if device.type == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
+    batch = fetch() if fetch_ahead else None
     for _ in range(steps):
         for _ in range(accumulation):
-            asked = time.perf_counter()
-            inputs, targets = next_batch()
-            host_wait += time.perf_counter() - asked
+            inputs, targets = batch if fetch_ahead else fetch()
             with autocast:
                 loss = model(inputs, targets) / accumulation
+            if fetch_ahead:
+                batch = fetch()
             loss.backward()
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -110,6 +123,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps before timing (compilation happens here)")
     parser.add_argument("--accumulation", type=int, default=None,
                         help="micro-batches per step (default: the config's global / micro batch)")
+    parser.add_argument("--fetch-ahead", action="store_true",
+                        help="fetch each micro-batch while the previous one runs, as nanoGPT's train.py does")
     parser.add_argument("--workdir", default=None, help="where to write the dataset (default: a temporary dir)")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value, as for train/main.py")
     args = parser.parse_args()
@@ -136,7 +151,7 @@ def main() -> None:
 
         def run(source: str, steps: int) -> tuple[float, float]:
             return run_steps(model, optimizer, sources[source], steps, accumulation, autocast,
-                             config.optim.grad_clip, device)
+                             config.optim.grad_clip, device, args.fetch_ahead)
 
         run("resident (no loading)", args.warmup)  # compiles
         for name in sources:
@@ -155,7 +170,8 @@ def main() -> None:
         precision = config.dtype if use_cuda else "float32"
         print(f"device {where}; GPT {raw_model.num_params() / 1e6:.1f}M parameters; {precision}"
               f"{', compiled' if config.compile else ''}; {micro} x {block} tokens x {accumulation} micro-batches "
-              f"= {micro * block * accumulation:,} tokens/step; {args.rounds} rounds x {args.steps} steps per source")
+              f"= {micro * block * accumulation:,} tokens/step; {args.rounds} rounds x {args.steps} steps per source"
+              f"{'; batches fetched one ahead' if args.fetch_ahead else ''}")
         print(f"{'source':24s} {'tokens/s':>12s} {'MFU':>7s} {'data_wait':>10s} {'host_wait':>10s}")
         rates = {name: tokens / seconds for name, (seconds, _) in totals.items()}
         ceiling = rates["resident (no loading)"]

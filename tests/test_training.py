@@ -135,7 +135,9 @@ def kill_tree(root: int) -> None:
 @pytest.mark.parametrize("how", ["SIGTERM to torchrun", "SIGUSR1 to one rank"])
 def test_preempted_at_a_random_step_then_relaunch_resumes_exactly(reference, dataset, tmp_path, how):
     stop_after = random.Random().randint(2, STEPS - 3)
-    process = launch(2, dataset, tmp_path)
+    # deterministic=true (needed for bitwise losses on GPU) must not change a CPU run's results
+    settings = ("deterministic=true",) if how == "SIGUSR1 to one rank" else ()
+    process = launch(2, dataset, tmp_path, *settings)
     wait_for(lambda: len(metrics(tmp_path)) >= stop_after)
     if how == "SIGTERM to torchrun":
         process.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank
@@ -146,7 +148,7 @@ def test_preempted_at_a_random_step_then_relaunch_resumes_exactly(reference, dat
     stopped = len(metrics(tmp_path))
     assert stopped < STEPS and (tmp_path / f"ckpt-{stopped:08d}.pt").exists()
 
-    resumed = train(2, dataset, tmp_path)
+    resumed = train(2, dataset, tmp_path, *settings)
     assert f"resumed from {tmp_path / f'ckpt-{stopped:08d}.pt'} at step {stopped}" in resumed
     assert trained_steps(tmp_path) == reference
 
