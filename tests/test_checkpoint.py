@@ -1,6 +1,8 @@
 """Checkpoint files: atomic writes, newest complete one wins, damaged ones are skipped, last K kept."""
 
 
+import json
+
 import torch
 from conftest import ROOT
 
@@ -85,3 +87,43 @@ def test_checkpoint_of_the_earlier_flat_layout_is_refused_in_one_line(tmp_path):
         assert "ckpt-00000004.pt was written before" in str(err) and "new run_dir" in str(err)
     else:
         raise AssertionError("a checkpoint without components was accepted")
+
+
+def test_checkpoints_that_all_fail_to_load_are_refused_not_restarted_from_zero(tmp_path):
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, {"step": step}, keep=3)
+        path = tmp_path / f"ckpt-{step:08d}.pt"
+        path.write_bytes(path.read_bytes()[:20])
+    try:
+        load_latest_checkpoint(tmp_path)
+    except UserError as err:
+        assert f"none of the 2 checkpoints in {tmp_path} can be read (newest: ckpt-00000002.pt)" in str(err)
+    else:
+        raise AssertionError("a run whose checkpoints are all damaged would restart from step 0")
+
+
+def test_a_relaunch_removes_saves_a_kill_interrupted_and_does_not_save_a_step_twice(tmp_path, capsys):
+    from tokstream.train.checkpoint import Checkpointer
+    from tokstream.train.distributed import Distributed
+
+    (tmp_path / "ckpt-00000050.pt.tmp123").write_bytes(b"half a checkpoint")
+    single = Distributed(rank=0, world=1, local_rank=0, device=torch.device("cpu"), enabled=False)
+    checkpointer = Checkpointer(tmp_path, 2, single, _components(seed=1), {})
+    assert not list(tmp_path.glob("*.tmp*"))
+    assert "removed ckpt-00000050.pt.tmp123, a save that was interrupted" in capsys.readouterr().out
+    checkpointer.save(7)
+    written = (tmp_path / "ckpt-00000007.pt").stat().st_ino  # a save writes a new file
+    checkpointer.save(7)  # a preemption notice right after the periodic save of the same step
+    assert (tmp_path / "ckpt-00000007.pt").stat().st_ino == written
+
+
+def test_metrics_with_a_torn_last_line_are_truncated_without_error(tmp_path):
+    from tokstream.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, enabled=True)
+    for step in (1, 2, 3):
+        log.write({"step": step, "loss": 1.0 / step})
+    with open(log.path, "a") as out:
+        out.write('{"step": 4, "lo')  # killed mid-write
+    log.truncate_after(2)
+    assert [json.loads(line)["step"] for line in log.path.read_text().splitlines()] == [1, 2]

@@ -214,19 +214,6 @@ def test_same_samples_whatever_num_workers(reference, dataset, tmp_path):
     assert trained_steps(tmp_path / "w0") == trained_steps(tmp_path / "w2") == reference[:8]
 
 
-def test_resume_on_one_rank_with_doubled_accumulation(reference, dataset, tmp_path):
-    """2 ranks -> 1 rank, same global batch: the same samples each step, losses equal to rounding."""
-    train(2, dataset, tmp_path, "max_steps=8")
-    output = train(1, dataset, tmp_path)
-    assert "resuming a 2-rank run on 1 ranks" in output
-    after = metrics(tmp_path)
-    assert [m["step"] for m in after] == list(range(1, STEPS + 1))
-    for got, (step, samples, loss, lr) in zip(after[8:], reference[8:]):
-        assert sorted(got["samples"][0]) == sorted(samples[0] + samples[1])
-        assert got["lr"] == lr
-        assert got["loss"] == pytest.approx(loss, rel=1e-4)
-
-
 def test_resume_with_another_global_batch_is_refused(dataset, tmp_path):
     train(2, dataset, tmp_path, "max_steps=4")
     process = launch(2, dataset, tmp_path, "global_batch_size=16")
@@ -282,3 +269,59 @@ def test_a_split_the_dataset_does_not_have_is_refused_in_one_line(dataset, tmp_p
     output, _ = process.communicate(timeout=120)
     assert process.returncode != 0
     assert f"error: {dataset} has no training split (it has train, val): set data.split" in output
+
+
+def samples_per_step(run_dir: Path) -> list[list[int]]:
+    """Each step's global sample ids, whichever rank and micro-batch took them."""
+    return [sorted(sum(m["samples"], [])) for m in metrics(run_dir)]
+
+
+def test_sample_schedule_over_several_epochs_ignores_ranks_micro_batch_and_a_change_of_them(tmp_path):
+    """44 samples at 8 per step: epochs of 5 whole steps (40 samples; a different 4 left out each
+    epoch). The same samples make each of the 16 steps (3 epoch ends) whether 2 ranks x 4 samples,
+    or 1 rank x 8, preempted and relaunched on 2 ranks x 2 samples x 2 accumulation."""
+    data = tiny_splits(tmp_path, 44, 8)
+    reference = tmp_path / "reference"
+    train(2, data, reference)
+    schedule = samples_per_step(reference)
+    assert len(schedule) == STEPS and all(len(step) == len(set(step)) == 8 for step in schedule)
+    for epoch in range(3):
+        assert len(set(sum(schedule[epoch * 5:epoch * 5 + 5], []))) == 40  # no sample twice in an epoch
+    assert set(sum(schedule[:5], [])) != set(sum(schedule[5:10], []))  # the left-out 4 change
+
+    changed = tmp_path / "changed"
+    process = launch(1, data, changed, "micro_batch_size=8")
+    wait_for(lambda: len(metrics(changed)) >= 7)  # past the first epoch end
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert "preempted" in output, output[-3000:]
+    output = train(2, data, changed, "micro_batch_size=2")
+    assert "resuming a 1-rank run on 2 ranks" in output
+    assert samples_per_step(changed) == schedule
+    for got, want in zip(metrics(changed), metrics(reference)):
+        assert got["lr"] == want["lr"]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+
+
+def test_a_preemption_notice_during_evaluation_stops_it_and_checkpoints(tmp_path):
+    """An evaluation of 2,500 batches per rank runs at step 2; SIGTERM once step 1 is logged. The
+    run must not finish that evaluation (it outlasts a real notice's grace period) but checkpoint."""
+    data = tiny_splits(tmp_path, 40, 20_000)
+    run_dir = tmp_path / "run"
+    process = launch(2, data, run_dir, "eval_interval=2", "eval_batches=100000")
+    wait_for(lambda: len(metrics(run_dir)) >= 1)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    records = metrics(run_dir)
+    assert not any("val_loss" in r for r in records)
+    assert "preempted" in output and (run_dir / f"ckpt-{len(records):08d}.pt").exists()
+    if len(records) == 2:  # the notice came after step 2 began, as intended (else before: nothing to show)
+        assert "evaluation at step 2 stopped: preemption notice" in output
+
+
+def test_an_epoch_is_whole_steps_that_divide_over_the_canonical_nodes():
+    from tokstream.train.batch_plan import BatchPlan
+
+    assert BatchPlan(8, 4, 2).epoch_samples(44, 1) == BatchPlan(8, 8, 1).epoch_samples(44, 1) == 40
+    assert BatchPlan(8, 4, 2).epoch_samples(44, 3) == 24  # lcm(8, 3)
+    assert BatchPlan(480, 12, 8).epoch_samples(8_820_000, 8) == 8_819_520

@@ -1,5 +1,6 @@
 """How a global batch is cut into micro-batches over ranks, and what a resumed run must keep of it."""
 
+import math
 from dataclasses import dataclass
 
 from tokstream.errors import UserError
@@ -21,6 +22,17 @@ class BatchPlan:
     def accumulation(self) -> int:
         """Micro-batches per rank per optimizer step."""
         return self.global_batch_size // (self.micro_batch_size * self.world_size)
+
+    def epoch_samples(self, split_samples: int, num_canonical_nodes: int) -> int:
+        """Samples per epoch: the most that make whole steps and divide evenly over the canonical nodes.
+
+        Streaming then neither pads nor drops anything that depends on the world size or micro-batch,
+        and no step spans two epochs, so each step's samples are the same however the global batch
+        is cut. The rest of the split (fewer than lcm(global batch, canonical nodes) samples) is left
+        out of each epoch, a different random subset each time (streaming's epoch_size sampling).
+        """
+        unit = math.lcm(self.global_batch_size, num_canonical_nodes)
+        return split_samples // unit * unit
 
     def state_dict(self) -> dict:
         return {"global_batch_size": self.global_batch_size, "world_size": self.world_size,

@@ -51,13 +51,30 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict, keep: in
 
 
 def load_latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, dict] | tuple[None, None]:
-    """The newest checkpoint that loads; a damaged newest one falls back to the one before."""
+    """The newest checkpoint that loads; a damaged newest one falls back to the one before.
+
+    Checkpoints that exist but none of which loads are refused: starting over from step 0 would
+    silently throw the run away.
+    """
+    failures = []
     for path in reversed(list_checkpoints(run_dir)):
         try:
             return path, torch.load(path, map_location="cpu", weights_only=False)
         except Exception as err:  # truncated or corrupt file: say so and try the previous one
             print(f"warning: skipping unreadable checkpoint {path}: {type(err).__name__}: {err}")
+            failures.append(path)
+    if failures:
+        raise UserError(f"none of the {len(failures)} checkpoints in {run_dir} can be read (newest: {failures[0].name}): "
+                        "move them away to start the run over, or point run_dir at a copy that reads")
     return None, None
+
+
+def remove_unfinished_saves(run_dir: str | os.PathLike) -> list[Path]:
+    """Temporary files of saves that a kill interrupted (a run_dir belongs to one job at a time)."""
+    unfinished = sorted(Path(run_dir).glob("ckpt-*.pt.tmp*"))
+    for path in unfinished:
+        path.unlink(missing_ok=True)
+    return unfinished
 
 
 class Stateful(Protocol):
@@ -82,16 +99,26 @@ class Checkpointer:
                  run_record: dict):
         self.run_dir, self.keep, self.dist = Path(run_dir), keep, dist
         self.components, self.run_record = components, run_record
+        self.saved_step: int | None = None  # the step the newest checkpoint holds
         if dist.master:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            for path in remove_unfinished_saves(self.run_dir):
+                print(f"removed {path.name}, a save that was interrupted")
         dist.barrier()
 
     def restore(self, saved: dict) -> None:
         for name, component in self.components.items():
             component.load_state_dict(saved[name])
+        self.saved_step = saved["progress"]["step"]
 
     def save(self, step: int) -> None:
-        """Collective: each component's state (RNG states are gathered from every rank), written by rank 0."""
+        """Collective: each component's state (RNG states are gathered from every rank), written by rank 0.
+
+        A step already saved (a preemption right after a periodic save) is not written again.
+        """
+        if step == self.saved_step:
+            return
+        self.saved_step = step
         state = {name: component.state_dict() for name, component in self.components.items()}
         state["run"] = self.run_record
         if self.dist.master:

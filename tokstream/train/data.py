@@ -20,6 +20,7 @@ from streaming import StreamingDataLoader
 
 from tokstream.errors import UserError
 from tokstream.format import METADATA_FILE, DatasetMetadata, check_compatible, read_metadata
+from tokstream.train.batch_plan import BatchPlan
 from tokstream.train.config import DataConfig
 from tokstream.train.token_dataset import TokenDataset
 
@@ -103,12 +104,19 @@ def open_dataset(config: DataConfig, vocab_size: int, block_size: int) -> Traini
     return TrainingDataset(metadata, dataset_identity(root, config.split))
 
 
-def check_train_split_holds_a_step(dataset: TrainingDataset, split: str, global_batch_size: int) -> None:
-    """Refuse a train split smaller than one optimizer step (its ranks would wait forever for a batch)."""
+def train_epoch_samples(dataset: TrainingDataset, split: str, plan: BatchPlan, num_canonical_nodes: int) -> int:
+    """Samples per epoch of the train split (plan.epoch_samples); refuses a split too small for one
+    epoch (its ranks would wait forever for a batch)."""
     samples = dataset.splits[split].samples
-    if samples < global_batch_size:
-        raise UserError(f"the {split} split has {samples} samples, fewer than one step's global_batch_size "
-                        f"{global_batch_size}: convert more data or lower global_batch_size")
+    epoch = plan.epoch_samples(samples, num_canonical_nodes)
+    if epoch == 0:
+        unit = math.lcm(plan.global_batch_size, num_canonical_nodes)
+        need = (f"one step's global_batch_size {plan.global_batch_size}" if unit == plan.global_batch_size else
+                f"{unit}, the smallest epoch of whole steps of {plan.global_batch_size} that divides over "
+                f"data.num_canonical_nodes {num_canonical_nodes}")
+        raise UserError(f"the {split} split has {samples} samples, fewer than {need}: convert more data or "
+                        "lower global_batch_size")
+    return epoch
 
 
 def val_split_holds_a_batch(dataset: TrainingDataset, split: str, world_size: int, micro_batch_size: int) -> bool:
@@ -134,8 +142,9 @@ def check_resumable(saved_config: dict, saved_identity: str, config: DataConfig,
 class TrainBatches:
     """The train split's micro-batches, epoch after epoch, with the loader's position as its state."""
 
-    def __init__(self, config: DataConfig, micro_batch_size: int, pin_memory: bool):
-        self.loader = make_loader(config, config.split, micro_batch_size, shuffle=True, pin_memory=pin_memory)
+    def __init__(self, config: DataConfig, micro_batch_size: int, epoch_samples: int, pin_memory: bool):
+        self.loader = make_loader(config, config.split, micro_batch_size, shuffle=True, pin_memory=pin_memory,
+                                  epoch_size=epoch_samples)
         # No reference back to self: a cycle would keep the loader's workers alive past the run.
         self._batches = _epoch_after_epoch(self.loader)
 
@@ -170,7 +179,7 @@ def _ignore_preemption_signals(worker_id: int) -> None:
 
 
 def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, pin_memory: bool,
-                num_workers: int | None = None) -> StreamingDataLoader:
+                num_workers: int | None = None, epoch_size: int | None = None) -> StreamingDataLoader:
     # A remote (or a local dataset with a separate local cache) is downloaded/copied by streaming.
     remote = config.remote if is_remote(config.remote) or config.local else None
     try:
@@ -180,6 +189,7 @@ def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, 
             shuffle_block_size=config.shuffle_block_size, num_canonical_nodes=config.num_canonical_nodes,
             batch_size=batch_size, cache_limit=config.cache_limit, predownload=config.predownload,
             validate_hash=config.validate_hash if remote else None, download_retry=config.download_retry,
+            epoch_size=epoch_size,
         )
     except ValueError as err:  # streaming's word on a bad setting, e.g. a cache_limit below 4 shards
         raise UserError(f"data ({split}): {err}") from None

@@ -16,7 +16,9 @@ class MetricsLog:
         """Drop lines for steps after the checkpoint we resume from: they will be trained again."""
         if not self.enabled or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        # A kill mid-write leaves a last line without its newline: that step is retrained anyway.
+        whole_lines = self.path.read_text().rpartition("\n")[0].splitlines()
+        kept = [line for line in whole_lines if line and json.loads(line)["step"] <= step]
         temporary = self.path.with_suffix(".tmp")
         temporary.write_text("".join(line + "\n" for line in kept))
         os.replace(temporary, self.path)

@@ -46,6 +46,7 @@ class Run:
     preemption: PreemptionWatch
     autocast: object
     peak_flops: float | None
+    epoch_samples: int  # train samples per epoch: whole steps (BatchPlan.epoch_samples)
 
 
 def setup(config: TrainConfig) -> Run:
@@ -55,7 +56,12 @@ def setup(config: TrainConfig) -> Run:
     dist = Distributed.start(config.device)
     plan = BatchPlan(config.global_batch_size, config.micro_batch_size, dist.world)
     dataset = data.open_dataset(config.data, config.model.vocab_size, config.model.block_size)
-    data.check_train_split_holds_a_step(dataset, config.data.split, config.global_batch_size)
+    epoch_samples = data.train_epoch_samples(dataset, config.data.split, plan, config.data.num_canonical_nodes)
+    left_out = dataset.splits[config.data.split].samples - epoch_samples
+    if dist.master:
+        print(f"epochs of {epoch_samples // config.global_batch_size} steps: {epoch_samples} samples, "
+              + (f"{left_out} of the split left out of each epoch (a different few each time)" if left_out
+                 else "the whole split"))
     checkpoint_path, saved = find_latest(config.run_dir)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
         old = saved["run"]
@@ -74,7 +80,7 @@ def setup(config: TrainConfig) -> Run:
                 print(f"removed {len(removed)} shared-memory blocks a killed run of this dataset left behind")
         dist.barrier()
     use_cuda = dist.device.type == "cuda"
-    batches = data.TrainBatches(config.data, config.micro_batch_size, pin_memory=use_cuda)
+    batches = data.TrainBatches(config.data, config.micro_batch_size, epoch_samples, pin_memory=use_cuda)
     val_loader, val_split = None, config.data.val_split
     if val_split in dataset.splits and config.eval_interval:
         if data.val_split_holds_a_batch(dataset, val_split, dist.world, config.micro_batch_size):
@@ -102,7 +108,8 @@ def setup(config: TrainConfig) -> Run:
     metrics.truncate_after(progress.step)
     autocast = torch.autocast("cuda", dtype=getattr(torch, config.dtype)) if use_cuda else nullcontext()
     return Run(config, dist, plan, raw_model, model, optimizer, batches, val_loader, progress, checkpointer,
-               metrics, PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None)
+               metrics, PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None,
+               epoch_samples)
 
 
 def use_deterministic_kernels() -> None:
@@ -130,8 +137,8 @@ def train(config: TrainConfig) -> None:
             run.checkpointer.save(progress.step)
             bar.close()
             if dist.master:
-                print(f"preempted (signal {run.preemption.received}): saved checkpoint at step {progress.step}, "
-                      "exiting")
+                where = f"signal {run.preemption.received}" if run.preemption.received else "signal to another rank"
+                print(f"preempted ({where}): saved checkpoint at step {progress.step}, exiting")
             break
         started = time.perf_counter()
         lr = learning_rate(progress.step, config)
@@ -165,7 +172,11 @@ def train(config: TrainConfig) -> None:
         if run.peak_flops:
             record["mfu"] = flops_per_token * tokens_per_step / seconds / (run.peak_flops * dist.world)
         if run.val_loader is not None and step % config.eval_interval == 0:
-            record["val_loss"] = evaluate(run)
+            val_loss = evaluate(run)
+            if val_loss is not None:
+                record["val_loss"] = val_loss
+            elif dist.master:
+                bar.write(f"evaluation at step {step} stopped: preemption notice")
         run.metrics.write(record)
         bar.update(1)
         if dist.master and (step % config.log_interval == 0 or "val_loss" in record):
@@ -177,12 +188,18 @@ def train(config: TrainConfig) -> None:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> float:
-    """Mean loss over the first eval_batches micro-batches of every rank's val partition."""
+def evaluate(run: Run) -> float | None:
+    """Mean loss over the first eval_batches micro-batches of every rank's val partition; None when a
+    preemption notice arrives meanwhile (every rank stops at the same batch, and the run goes on to
+    its checkpoint instead of outliving the notice's grace period)."""
     run.model.eval()
     total = torch.zeros(2, device=run.dist.device)
+    preempted = False
     for index, batch in enumerate(run.val_loader):
         if index >= run.config.eval_batches:
+            break
+        if run.preemption.should_stop():
+            preempted = True
             break
         inputs, targets = data.to_device(batch, run.dist.device)
         with run.autocast:
@@ -190,4 +207,4 @@ def evaluate(run: Run) -> float:
         total[1] += 1
     run.dist.sum(total)
     run.model.train()
-    return (total[0] / total[1].clamp(min=1)).item()
+    return None if preempted else (total[0] / total[1].clamp(min=1)).item()
