@@ -214,12 +214,22 @@ def test_same_samples_whatever_num_workers(reference, dataset, tmp_path):
     assert trained_steps(tmp_path / "w0") == trained_steps(tmp_path / "w2") == reference[:8]
 
 
-def test_resume_with_another_global_batch_is_refused(dataset, tmp_path):
+def test_a_relaunch_that_changes_the_recipe_is_refused_unless_allowed_on_purpose(dataset, tmp_path):
     train(2, dataset, tmp_path, "max_steps=4")
-    process = launch(2, dataset, tmp_path, "global_batch_size=16")
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode != 0
-    assert "global_batch_size changed from 8 to 16" in output
+    saved = sorted(tmp_path.glob("ckpt-*.pt"))
+    for change, message in (
+            ("global_batch_size=16", "error: global_batch_size changed from 8 to 16 since the checkpoint"),
+            ("optim.lr=0.001", "error: optim.lr changed from 0.003 to 0.001 since the checkpoint: a resumed run keeps "
+                               "its recipe; use a new run_dir, or add resume_allow=[optim.lr]")):
+        process = launch(2, dataset, tmp_path, change)
+        output, _ = process.communicate(timeout=120)
+        assert process.returncode != 0 and message in output, output[-2000:]
+    assert sorted(tmp_path.glob("ckpt-*.pt")) == saved and len(metrics(tmp_path)) == 4
+
+    output = train(2, dataset, tmp_path, "max_steps=5", "optim.lr=0.001", "resume_allow=[optim.lr]")
+    assert "relaunch: optim.lr changed from 0.003 to 0.001 (resume_allow: on purpose)" in output
+    assert "relaunch: max_steps changed from 4 to 5" in output  # optim.decay_steps is set: the schedule holds
+    assert metrics(tmp_path)[-1]["step"] == 5
 
 
 def test_config_that_does_not_fit_the_dataset_is_refused(dataset, tmp_path):

@@ -38,11 +38,9 @@ class BatchPlan:
         return {"global_batch_size": self.global_batch_size, "world_size": self.world_size,
                 "accumulation": self.accumulation}
 
-    def check_resumable(self, saved: dict) -> None:
-        """The global batch must stay; ranks and accumulation may change with it."""
-        if saved["global_batch_size"] != self.global_batch_size:
-            raise UserError(f"global_batch_size changed from {saved['global_batch_size']} to "
-                            f"{self.global_batch_size}: resuming needs the same global batch")
-        if saved["world_size"] != self.world_size:
-            print(f"resuming a {saved['world_size']}-rank run on {self.world_size} ranks: same global batch and "
-                  "sample order; losses match to float rounding, not bitwise")
+    def describe_change(self, saved: dict) -> str | None:
+        """A line for a resume on another number of ranks (the global batch is fixed: resume_policy.py)."""
+        if saved["world_size"] == self.world_size:
+            return None
+        return (f"resuming a {saved['world_size']}-rank run on {self.world_size} ranks: same samples at every step; "
+                "losses match to float rounding, not bitwise")

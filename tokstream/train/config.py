@@ -72,6 +72,9 @@ class TrainConfig:
     checkpoint_interval: int = 1000
     keep_checkpoints: int = 3
     trace_samples: bool = False
+    # Recipe settings a relaunch changes on purpose, e.g. [optim.lr]; any other change is refused
+    # (resume_policy.py says what may change freely).
+    resume_allow: list[str] = field(default_factory=list)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -125,18 +125,10 @@ def val_split_holds_a_batch(dataset: TrainingDataset, split: str, world_size: in
     return math.ceil(dataset.splits[split].samples / world_size) >= micro_batch_size
 
 
-# Settings the global sample order depends on: a resumed run must keep them.
-SAMPLE_ORDER_SETTINGS = ("shuffle_seed", "shuffle_algo", "num_canonical_nodes", "shuffle_block_size", "split")
-
-
-def check_resumable(saved_config: dict, saved_identity: str, config: DataConfig, dataset: TrainingDataset) -> None:
-    """Refuse to resume on other samples or in another order; workers, caches and prefetch may change."""
+def check_same_dataset(saved_identity: str, dataset: TrainingDataset) -> None:
+    """Refuse to resume on other samples (the settings that order them: resume_policy.py)."""
     if saved_identity != dataset.identity:
         raise UserError("the dataset differs from the one the checkpoint was trained on; use a new run_dir")
-    for key in SAMPLE_ORDER_SETTINGS:
-        if saved_config[key] != getattr(config, key):
-            raise UserError(f"data.{key} changed from {saved_config[key]!r} to {getattr(config, key)!r}: "
-                            "the sample order would change; keep it, or use a new run_dir")
 
 
 class TrainBatches:

@@ -1,6 +1,5 @@
 """GPT-2: pre-LayerNorm transformer, GELU MLP, tied input/output embeddings, flash attention via SDPA."""
 
-import dataclasses
 import math
 
 import torch
@@ -20,12 +19,6 @@ def peak_bf16_flops() -> float | None:
         return None
     name = torch.cuda.get_device_name()
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-def check_same_architecture(saved: dict, config: ModelConfig) -> None:
-    """A checkpoint's weights fit only the architecture they were trained with."""
-    if saved != dataclasses.asdict(config):
-        raise UserError("the model config differs from the checkpoint's; use a new run_dir")
 
 
 class CausalSelfAttention(nn.Module):

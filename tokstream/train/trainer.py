@@ -21,8 +21,9 @@ from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
 from tokstream.train.config import TrainConfig
 from tokstream.train.distributed import Distributed
 from tokstream.train.metrics import MetricsLog, console_line
-from tokstream.train.model import GPT, check_same_architecture, peak_bf16_flops
+from tokstream.train.model import GPT, peak_bf16_flops
 from tokstream.train.preemption import PreemptionWatch
+from tokstream.train.resume_policy import check_relaunch
 from tokstream.train.rng import RankRNG
 from tokstream.train.schedule import learning_rate
 from tokstream.train.stale_shm import remove_stale_shared_memory
@@ -65,9 +66,11 @@ def setup(config: TrainConfig) -> Run:
     checkpoint_path, saved = find_latest(config.run_dir)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
         old = saved["run"]
-        data.check_resumable(old["config"]["data"], old["dataset_identity"], config.data, dataset)
-        plan.check_resumable(old["batch_plan"])
-        check_same_architecture(old["config"]["model"], config.model)
+        data.check_same_dataset(old["dataset_identity"], dataset)
+        changes = [*check_relaunch(old["config"], config), plan.describe_change(old["batch_plan"])]
+        if dist.master:
+            for change in filter(None, changes):
+                print(f"relaunch: {change}")
 
     torch.manual_seed(config.seed)  # identical initial weights on every rank
     raw_model = GPT(config.model).to(dist.device)
