@@ -127,3 +127,27 @@ def test_metrics_with_a_torn_last_line_are_truncated_without_error(tmp_path):
         out.write('{"step": 4, "lo')  # killed mid-write
     log.truncate_after(2)
     assert [json.loads(line)["step"] for line in log.path.read_text().splitlines()] == [1, 2]
+
+
+def test_rng_after_a_world_size_change_is_new_and_repeatable():
+    from tokstream.train.distributed import Distributed
+    from tokstream.train.rng import RankRNG
+
+    def rank(number: int, world: int) -> RankRNG:
+        return RankRNG(Distributed(rank=number, world=world, local_rank=number, device=torch.device("cpu"),
+                                   enabled=False))
+
+    two_ranks = rank(0, 2)
+    two_ranks.seed(1337)
+    first_draw = torch.rand(4)
+    torch.rand(100)  # training moves the stream on
+    saved = [two_ranks.state_dict()[0]] * 2  # what a 2-rank checkpoint holds (one process here)
+
+    draws = []
+    for _ in range(2):  # two relaunches on one rank from the same checkpoint
+        rank(0, 1).load_state_dict(saved)
+        draws.append(torch.rand(4))
+    assert torch.equal(draws[0], draws[1])  # repeatable
+    assert not torch.equal(draws[0], first_draw)  # not step 0's stream again
+    rank(1, 3).load_state_dict(saved)
+    assert not torch.equal(torch.rand(4), draws[0])  # ranks differ

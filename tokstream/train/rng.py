@@ -1,5 +1,6 @@
 """Every rank's random number generators as one checkpointable component."""
 
+import hashlib
 import random
 
 import numpy as np
@@ -40,7 +41,11 @@ class RankRNG:
         return self.dist.gather(_local_state())
 
     def load_state_dict(self, states: list[dict]) -> None:
-        """Continue each rank's streams; on another world size the ranks are not the same ones, so the
-        caller's seeding stands."""
+        """Continue each rank's streams. On another world size the ranks are not the same ones: each
+        rank is seeded from the saved state instead, so its streams are new (not step 0's again) and
+        the same on every relaunch from this checkpoint."""
         if len(states) == self.dist.world:
             _set_local_state(states[self.dist.rank])
+        else:
+            saved = hashlib.blake2b(states[0]["torch"].numpy().tobytes(), digest_size=4).digest()
+            self.seed(int.from_bytes(saved, "little"))
