@@ -7,6 +7,7 @@ cache_limit with a remote dataset (shards evicted and fetched again) the samples
 import gc
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,6 +95,12 @@ def test_resume_points_continue_like_stock(dataset, tmp_path, resume_after):
     np.testing.assert_array_equal(np.concatenate(got), np.concatenate(expected))
 
 
+def mapped_deleted_files(directory: Path) -> set[str]:
+    """Files under `directory` that this process still maps although they were deleted."""
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    return {line.split(maxsplit=5)[5] for line in maps if str(directory) in line and line.endswith("(deleted)")}
+
+
 def test_eviction_under_a_small_cache_limit_keeps_samples_exact(dataset, tmp_path):
     """From S3 on loopback with a cache far smaller than the 11 shards: shards are evicted and fetched again."""
     from tokstream.object_store import S3Dataset
@@ -115,12 +122,17 @@ def test_eviction_under_a_small_cache_limit_keeps_samples_exact(dataset, tmp_pat
         config = DataConfig(remote="s3://evict/ds", local=str(cache), shuffle_seed=3, num_workers=0,
                             cache_limit="300kb", predownload=64, shuffle_block_size=1000)
         loader = make_loader(config, "train", BATCH, shuffle=True, pin_memory=False)
-        got, most_local = [], 0
+        got, most_local, most_deleted_mapped = [], 0, 0
         for batch in loader:
             got.append(batch["tokens"].numpy().copy())
             most_local = max(most_local, len(list((cache / "train").glob("shard.*.mds"))))
+            most_deleted_mapped = max(most_deleted_mapped, len(mapped_deleted_files(cache)))
         np.testing.assert_array_equal(np.concatenate(got), expected)
         assert shards > 8 and most_local < shards  # shards were evicted (and some fetched again)
+        # An evicted shard's disk space is really freed: its mapping goes when the reader maps its next
+        # shard, so at most what the download-ahead window evicts meanwhile stays mapped (2 seen), not
+        # every evicted shard until it is read again (7 of the 11 before).
+        assert most_deleted_mapped <= 3, most_deleted_mapped
         del loader
         gc.collect()
     finally:

@@ -51,6 +51,13 @@ class TokenDataset(internals.WindowedDownloadAhead):
         """Stock streaming's read, which also fetches a shard that is not local."""
         return {"tokens": super().get_item(sample_id)["tokens"], "id": sample_id}
 
+    def _unmap_evicted(self) -> None:
+        """Drop the mappings of shards that are no longer local, so an evicted file's disk space is
+        freed. Run whenever another shard is mapped: evictions make room for new shards, so this
+        catches them within one shard, not at the evicted shard's next read (maybe never)."""
+        for shard_id in [s for s in self._views if not internals.shard_is_local(self, s)]:
+            del self._views[shard_id]
+
     def get_item(self, sample_id: int) -> dict:
         shard_id, index = self.spanner[sample_id]
         if not internals.shard_is_local(self, shard_id):
@@ -58,6 +65,7 @@ class TokenDataset(internals.WindowedDownloadAhead):
             return self._stock_item(sample_id)
         view = self._views.get(shard_id)
         if view is None:
+            self._unmap_evicted()
             try:
                 view = self._views[shard_id] = self._map_shard(shard_id)
             except FileNotFoundError:  # evicted by another rank between the state check and here
