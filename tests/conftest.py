@@ -127,3 +127,32 @@ def tagged_lines(path: Path, copies: int) -> Path:
              for line in (ROOT.parent / "shared" / "corpora" / name).read_text().splitlines()]
     path.write_text("".join(f"{line} {copy % (copies // 2)}\n" for copy in range(copies) for line in lines))
     return path
+
+
+# The training tests' dataset and uninterrupted reference run, shared by test_training.py and
+# test_s3.py (whose S3 copy of the same plays, in the same 64 kB shards, must train identically).
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory) -> Path:
+    from tokstream.options import ConversionOptions
+    from tokstream.sources import open_source
+    from tokstream.text_one_pass import convert_documents
+    from tokstream.tokenizer import load_tokenizer
+
+    tmp = tmp_path_factory.mktemp("data")
+    corpus = tmp / "plays.txt"
+    corpus.write_text("\n\n".join(shakespeare_paragraphs()) + "\n")
+    convert_documents(open_source([str(corpus)], txt_docs="paragraph"), load_tokenizer("gpt2"), str(tmp / "ds"),
+                      ConversionOptions(block_size=64, val_fraction=0.05, shard_size="64kb", progress=False))
+    return tmp / "ds"
+
+
+@pytest.fixture(scope="session")
+def reference(dataset, tmp_path_factory) -> list[tuple]:
+    """(step, per-rank sample ids, loss, lr) of an uninterrupted 2-rank run of test_training's BASE."""
+    import test_training as training
+
+    run_dir = tmp_path_factory.mktemp("reference")
+    training.train(2, dataset, run_dir)
+    steps = training.trained_steps(run_dir)
+    assert [s[0] for s in steps] == list(range(1, training.STEPS + 1))
+    return steps

@@ -8,34 +8,22 @@ of an uninterrupted run, with bitwise-equal losses.
 import json
 import os
 import random
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, shakespeare_paragraphs
+from conftest import ROOT
 
-from tokstream.options import ConversionOptions
-from tokstream.sources import open_source
-from tokstream.text_one_pass import convert_documents
+from tokstream.errors import UserError
 
 STEPS = 16
 BASE = ["configs/tiny.yaml", f"max_steps={STEPS}", f"optim.decay_steps={STEPS}", "checkpoint_interval=4", "eval_interval=8",
         "trace_samples=true", "log_interval=100"]
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("data")
-    corpus = tmp / "plays.txt"
-    corpus.write_text("\n\n".join(shakespeare_paragraphs()) + "\n")
-    from tokstream.tokenizer import load_tokenizer
-
-    convert_documents(open_source([str(corpus)], txt_docs="paragraph"), load_tokenizer("gpt2"), str(tmp / "ds"),
-                      ConversionOptions(block_size=64, val_fraction=0.05, progress=False))
-    return tmp / "ds"
 
 
 def torchrun_command(nproc: int, dataset: Path, run_dir: Path, *overrides: str) -> list[str]:
@@ -75,15 +63,6 @@ def wait_for(condition, timeout: float = 180) -> None:
 def trained_steps(run_dir: Path) -> list[tuple]:
     """What must match across interruptions: step, per-rank sample ids, loss (exact float), lr."""
     return [(m["step"], m["samples"], m["loss"], m["lr"]) for m in metrics(run_dir)]
-
-
-@pytest.fixture(scope="module")
-def reference(dataset, tmp_path_factory) -> list[tuple]:
-    run_dir = tmp_path_factory.mktemp("reference")
-    train(2, dataset, run_dir)
-    steps = trained_steps(run_dir)
-    assert [s[0] for s in steps] == list(range(1, STEPS + 1))
-    return steps
 
 
 def test_uninterrupted_run_partitions_every_global_batch(reference, dataset):
@@ -132,24 +111,31 @@ def kill_tree(root: int) -> None:
                 pass
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to torchrun", "SIGUSR1 to one rank"])
-def test_preempted_at_a_random_step_then_relaunch_resumes_exactly(reference, dataset, tmp_path, how):
-    stop_after = random.Random().randint(2, STEPS - 3)
-    # deterministic=true (needed for bitwise losses on GPU) must not change a CPU run's results
-    settings = ("deterministic=true",) if how == "SIGUSR1 to one rank" else ()
-    process = launch(2, dataset, tmp_path, *settings)
-    wait_for(lambda: len(metrics(tmp_path)) >= stop_after)
+def preempt(dataset: Path, run_dir: Path, after_step: int, how: str, *settings: str) -> int:
+    """Train until after_step is logged, send the notice, wait for the checkpoint; the step it holds."""
+    process = launch(2, dataset, run_dir, *settings)
+    wait_for(lambda: len(metrics(run_dir)) >= after_step)
     if how == "SIGTERM to torchrun":
         process.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank
     else:
         os.kill(worker_pids(process.pid)[-1], signal.SIGUSR1)  # e.g. Slurm --signal; the other rank follows
     output, _ = process.communicate(timeout=120)
     assert "preempted" in output, output[-3000:]
-    stopped = len(metrics(tmp_path))
-    assert stopped < STEPS and (tmp_path / f"ckpt-{stopped:08d}.pt").exists()
+    assert process.returncode != 0  # unfinished: a scheduler requeues it
+    stopped = len(metrics(run_dir))
+    assert stopped < STEPS and (run_dir / f"ckpt-{stopped:08d}.pt").exists()
+    return stopped
 
-    resumed = train(2, dataset, tmp_path, *settings)
-    assert f"resumed from {tmp_path / f'ckpt-{stopped:08d}.pt'} at step {stopped}" in resumed
+
+def test_preempted_twice_at_random_steps_then_relaunched_resumes_exactly(reference, dataset, tmp_path):
+    """SIGTERM to torchrun, relaunch, SIGUSR1 to one rank (with deterministic=true, needed for bitwise
+    losses on GPU, which must not change a CPU run), relaunch: the samples per rank and the losses of
+    the uninterrupted run, bit for bit."""
+    stopped = preempt(dataset, tmp_path, random.Random().randint(2, STEPS // 2 - 2), "SIGTERM to torchrun")
+    stopped_again = preempt(dataset, tmp_path, random.Random().randint(stopped + 1, STEPS - 3), "SIGUSR1 to one rank",
+                            "deterministic=true")
+    resumed = train(2, dataset, tmp_path)
+    assert f"resumed from {tmp_path / f'ckpt-{stopped_again:08d}.pt'} at step {stopped_again}" in resumed
     assert trained_steps(tmp_path) == reference
 
 
@@ -162,7 +148,13 @@ def test_sigkill_after_a_checkpoint_then_relaunch_resumes_exactly(reference, dat
     saved_step = int(newest.stem.split("-")[1])
     assert saved_step <= len(metrics(tmp_path)) < STEPS  # killed mid-run, with steps past the checkpoint lost
 
-    resumed = train(2, dataset, tmp_path)
+    refused = launch(2, dataset, tmp_path, "optim.lr=0.001")  # a relaunch that changes the recipe: no
+    output, _ = refused.communicate(timeout=120)
+    assert refused.returncode != 0 and ("error: optim.lr changed from 0.003 to 0.001 since the checkpoint: a resumed "
+                                        "run keeps its recipe; use a new run_dir, or add resume_allow=[optim.lr]") in output
+    assert sorted(tmp_path.glob("ckpt-*.pt"))[-1] == newest
+
+    resumed = train(2, dataset, tmp_path, "data.num_workers=2")  # DataLoader workers read the same samples
     assert f"resumed from {newest} at step {saved_step}" in resumed
     assert trained_steps(tmp_path) == reference  # steps after the checkpoint were retrained, same samples
 
@@ -208,38 +200,6 @@ def test_start_removes_only_unmapped_blocks_of_its_own_dataset(dataset, tmp_path
             path.unlink(missing_ok=True)
 
 
-def test_same_samples_whatever_num_workers(reference, dataset, tmp_path):
-    train(2, dataset, tmp_path / "w0", "data.num_workers=0", "max_steps=8")
-    train(2, dataset, tmp_path / "w2", "data.num_workers=2", "max_steps=8")
-    assert trained_steps(tmp_path / "w0") == trained_steps(tmp_path / "w2") == reference[:8]
-
-
-def test_a_relaunch_that_changes_the_recipe_is_refused_unless_allowed_on_purpose(dataset, tmp_path):
-    train(2, dataset, tmp_path, "max_steps=4")
-    saved = sorted(tmp_path.glob("ckpt-*.pt"))
-    for change, message in (
-            ("global_batch_size=16", "error: global_batch_size changed from 8 to 16 since the checkpoint"),
-            ("optim.lr=0.001", "error: optim.lr changed from 0.003 to 0.001 since the checkpoint: a resumed run keeps "
-                               "its recipe; use a new run_dir, or add resume_allow=[optim.lr]")):
-        process = launch(2, dataset, tmp_path, change)
-        output, _ = process.communicate(timeout=120)
-        assert process.returncode != 0 and message in output, output[-2000:]
-    assert sorted(tmp_path.glob("ckpt-*.pt")) == saved and len(metrics(tmp_path)) == 4
-
-    output = train(2, dataset, tmp_path, "max_steps=5", "optim.lr=0.001", "resume_allow=[optim.lr]")
-    assert "relaunch: optim.lr changed from 0.003 to 0.001 (resume_allow: on purpose)" in output
-    assert "relaunch: max_steps changed from 4 to 5" in output  # optim.decay_steps is set: the schedule holds
-    assert metrics(tmp_path)[-1]["step"] == 5
-
-
-def test_config_that_does_not_fit_the_dataset_is_refused(dataset, tmp_path):
-    process = launch(2, dataset, tmp_path, "model.block_size=128")
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode != 0
-    assert "dataset block_size 64 != model block_size 128" in output
-    assert not list(tmp_path.glob("ckpt-*"))
-
-
 def tiny_splits(root: Path, train_samples: int, val_samples: int) -> Path:
     """A dataset with exactly these sample counts (block 64), from token files."""
     import numpy as np
@@ -257,28 +217,27 @@ def tiny_splits(root: Path, train_samples: int, val_samples: int) -> Path:
     return root / "ds"
 
 
-def test_train_split_smaller_than_a_step_is_refused_in_one_line(tmp_path):
-    """2 ranks x 4 samples on a 5-sample split: each rank would wait forever for its first batch."""
-    process = launch(2, tiny_splits(tmp_path, 5, 3), tmp_path / "run")
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode != 0
-    assert "error: the train split has 5 samples, fewer than one step's global_batch_size 8" in output
-    assert not list((tmp_path / "run").glob("ckpt-*"))
+def test_a_dataset_that_does_not_fit_the_run_is_refused_in_one_line(dataset, tmp_path):
+    """Checked at start-up, before anything is built (through torchrun: the damaged-dataset test)."""
+    from tokstream.train.batch_plan import BatchPlan
+    from tokstream.train.config import DataConfig
+    from tokstream.train.data import open_dataset, train_epoch_samples, val_split_holds_a_batch
 
+    def refusal(check) -> str:
+        with pytest.raises(UserError) as refused:
+            check()
+        return str(refused.value)
 
-def test_val_split_smaller_than_a_batch_turns_evaluation_off_with_one_line(tmp_path):
-    """3 val samples cannot give each of 2 ranks a batch of 4: no made-up val_loss of 0."""
-    output = train(2, tiny_splits(tmp_path, 40, 3), tmp_path / "run", "max_steps=8")
-    assert "evaluation is off: the val split has 3 samples, fewer than one micro-batch of 4 on each of 2 ranks" in output
-    assert [m["step"] for m in metrics(tmp_path / "run")] == list(range(1, 9))
-    assert not any("val_loss" in m for m in metrics(tmp_path / "run"))
-
-
-def test_a_split_the_dataset_does_not_have_is_refused_in_one_line(dataset, tmp_path):
-    process = launch(2, dataset, tmp_path, "data.split=training")
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode != 0
-    assert f"error: {dataset} has no training split (it has train, val): set data.split" in output
+    assert "dataset block_size 64 != model block_size 128" in refusal(
+        lambda: open_dataset(DataConfig(remote=str(dataset)), 50257, 128))
+    assert f"{dataset} has no training split (it has train, val): set data.split" in refusal(
+        lambda: open_dataset(DataConfig(remote=str(dataset), split="training"), 50257, 64))
+    # 2 ranks x 4 samples on a 5-sample split: each rank would wait forever for its first batch
+    small = open_dataset(DataConfig(remote=str(tiny_splits(tmp_path, 5, 3))), 50257, 64)
+    assert "the train split has 5 samples, fewer than one step's global_batch_size 8" in refusal(
+        lambda: train_epoch_samples(small, "train", BatchPlan(8, 4, 2), 1))
+    # 3 val samples cannot give each of 2 ranks a batch of 4: evaluation is turned off, not reported as 0
+    assert not val_split_holds_a_batch(small, "val", 2, 4) and val_split_holds_a_batch(small, "val", 1, 3)
 
 
 def samples_per_step(run_dir: Path) -> list[list[int]]:
@@ -335,3 +294,104 @@ def test_an_epoch_is_whole_steps_that_divide_over_the_canonical_nodes():
     assert BatchPlan(8, 4, 2).epoch_samples(44, 1) == BatchPlan(8, 8, 1).epoch_samples(44, 1) == 40
     assert BatchPlan(8, 4, 2).epoch_samples(44, 3) == 24  # lcm(8, 3)
     assert BatchPlan(480, 12, 8).epoch_samples(8_820_100, 8) == 8_820_000
+
+
+# Several nodes on one machine, as a cluster has them: one torchrun agent per node, each in its own
+# mount namespace with a private /dev/shm (streaming's shared memory) and its own TMPDIR (streaming's
+# lock files), meeting by static rendezvous on 127.0.0.1; the run directory is shared, as on a
+# cluster's shared filesystem.
+def namespaces_permitted() -> bool:
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True).returncode == 0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch_node(node: int, nodes: int, port: int, dataset: Path, run_dir: Path, tmp: Path) -> subprocess.Popen:
+    """One node's torchrun with one rank; the process is torchrun itself (unshare and sh exec it)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node}",
+                "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+                str(ROOT / "train/main.py"), *BASE, f"data.remote={dataset}", f"run_dir={run_dir}"]
+    node_tmp = tmp / f"node{node}-tmp"
+    node_tmp.mkdir(exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(node_tmp))
+    return subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                             f"mount -t tmpfs node-shm /dev/shm && exec {shlex.join(torchrun)}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def launch_job(dataset: Path, run_dir: Path, tmp: Path) -> list[subprocess.Popen]:
+    port = free_port()
+    return [launch_node(node, 2, port, dataset, run_dir, tmp) for node in range(2)]
+
+
+@pytest.mark.skipif(not namespaces_permitted(), reason="mount namespaces are not permitted here (unshare --mount "
+                    "failed): several nodes on one machine need root or user namespaces")
+def test_two_nodes_preempted_on_one_then_one_lost_then_relaunched_on_one_node(reference, dataset, tmp_path):
+    """2 nodes x 1 rank. A notice to node 1 alone: every rank checkpoints at the same step and both
+    agents exit at once with a non-zero status a scheduler requeues on (node 0's used to wait out its
+    exit barrier). Relaunched, node 1 is then lost for good (SIGKILL) after a checkpoint and the job
+    is torn down; relaunched on one node with 2 ranks, it finishes on the same samples at every step."""
+    run_dir = tmp_path / "run"
+    job = launch_job(dataset, run_dir, tmp_path)
+    wait_for(lambda: len(metrics(run_dir)) >= 3)
+    job[1].send_signal(signal.SIGTERM)
+    outputs = [node.communicate(timeout=90)[0] for node in job]  # both gone, not just the signalled one
+    assert all(node.returncode != 0 for node in job)
+    assert "preempted (signal to another rank)" in outputs[0], outputs[0][-3000:]
+    stopped = len(metrics(run_dir))
+    assert (run_dir / f"ckpt-{stopped:08d}.pt").exists()
+
+    job = launch_job(dataset, run_dir, tmp_path)
+    wait_for(lambda: len(metrics(run_dir)) >= 10)  # past the step-8 checkpoint, before step 12's
+    for node in (job[1], job[0]):  # node 1 lost; the scheduler then ends the job's other node
+        kill_tree(node.pid)
+        node.communicate(timeout=60)
+    newest = sorted(run_dir.glob("ckpt-*.pt"))[-1]
+
+    output = train(2, dataset, run_dir)
+    assert f"resumed from {newest}" in output
+    steps = metrics(run_dir)
+    assert [m["step"] for m in steps] == list(range(1, len(reference) + 1))
+    for got, (step, samples, loss, lr) in zip(steps, reference):
+        assert sorted(sum(got["samples"], [])) == sorted(samples[0] + samples[1])
+        assert got["loss"] == pytest.approx(loss, rel=1e-4)
+
+
+def test_a_damaged_dataset_is_named_in_one_line_before_training_starts(tmp_path):
+    """A cut or missing shard, a missing index.json, a metadata.json without its splits."""
+    import json as json_module
+
+    from tokstream.train.config import DataConfig
+    from tokstream.train.data import open_dataset
+
+    data = tiny_splits(tmp_path, 40, 8)
+    shard = sorted((data / "train").glob("shard.*"))[0]
+
+    def refusal() -> str:
+        with pytest.raises(UserError) as refused:
+            open_dataset(DataConfig(remote=str(data)), 50257, 64)
+        return str(refused.value)
+
+    intact = shard.read_bytes()
+    shard.write_bytes(intact[:-100])  # a copy that stopped early
+    assert f"shard {shard} has {len(intact) - 100} bytes, the index says {len(intact)}" in refusal()
+    assert "python convert/verify.py" in refusal()
+    process = launch(2, data, tmp_path / "run")  # and through torchrun: one line, no traceback
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode != 0 and output.count(f"error: shard {shard} has") == 1  # rank 0 reports
+    assert f'File "{ROOT / "tokstream"}' not in output  # no traceback from the trainer (torchrun adds its own)
+    shard.unlink()
+    assert f"shard {shard} is missing" in refusal()
+    shard.write_bytes(intact)
+
+    (data / "val" / "index.json").unlink()
+    assert f"{data / 'val' / 'index.json'} is missing: the val split's conversion never finished" in refusal()
+
+    metadata = json_module.loads((data / "metadata.json").read_text())
+    del metadata["splits"]
+    (data / "metadata.json").write_text(json_module.dumps(metadata))
+    assert f"{data / 'metadata.json'} is damaged or hand-edited (KeyError: 'splits')" in refusal()

@@ -17,9 +17,11 @@ class StoreError(Exception):
 CONVERSION_INTERRUPTED = "interrupted: the output was not completed (see README: what resumes and what restarts)"
 
 
-def run_cli(main: Callable[[], object], *, sigterm_interrupts: bool = True, report: bool = True,
+def run_cli(main: Callable[[], int | None], *, sigterm_interrupts: bool = True, report: bool = True,
             interrupted: str = CONVERSION_INTERRUPTED) -> NoReturn:
     """Run a CLI entry point; turn UserError, StoreError and Ctrl-C into one line and a non-zero exit.
+
+    `main` returns its exit status (None: 0).
 
     `sigterm_interrupts`: treat SIGTERM like Ctrl-C, so cleanup runs (converters); training handles
     SIGTERM itself, as a preemption. `report`: print the line (training: on rank 0 only).
@@ -27,7 +29,7 @@ def run_cli(main: Callable[[], object], *, sigterm_interrupts: bool = True, repo
     if sigterm_interrupts:
         signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        main()
+        status = main()
     except (UserError, StoreError) as err:
         if report:
             print(f"error: {err}", file=sys.stderr)
@@ -36,7 +38,7 @@ def run_cli(main: Callable[[], object], *, sigterm_interrupts: bool = True, repo
         if report:
             print(interrupted, file=sys.stderr)
         sys.exit(130)
-    sys.exit(0)
+    sys.exit(status or 0)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -108,8 +108,12 @@ class DatasetMetadata:
                 f"{where} has format version {raw.get('format_version')}, this code reads "
                 f"version {FORMAT_VERSION}: reconvert the data or use a matching release"
             )
-        raw["splits"] = {name: SplitStats(**stats) for name, stats in raw["splits"].items()}
-        return cls(**raw)
+        try:
+            raw["splits"] = {name: SplitStats(**stats) for name, stats in raw["splits"].items()}
+            return cls(**raw)
+        except (KeyError, TypeError, AttributeError) as err:  # a field missing, unknown or of the wrong kind
+            raise UserError(f"{where} is damaged or hand-edited ({type(err).__name__}: {err}): "
+                            "restore it from the conversion or reconvert") from None
 
 
 def write_metadata(root: str | os.PathLike, metadata: DatasetMetadata) -> None:

@@ -18,14 +18,18 @@ from tokstream.errors import run_cli  # noqa: E402
 INTERRUPTED = "interrupted: stopped without a checkpoint; relaunching resumes from the newest one in run_dir"
 
 
-def main() -> None:
+def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         sys.exit(0 if len(sys.argv) > 1 else 2)
     from tokstream.train.config import load_config
-    from tokstream.train.trainer import train
+    from tokstream.train.trainer import PREEMPTED_EXIT_STATUS, train
 
-    train(load_config(sys.argv[1], sys.argv[2:]))
+    finished = train(load_config(sys.argv[1], sys.argv[2:]))
+    # Not 0 after a preemption: the job is unfinished, and a scheduler should requeue it. It also
+    # makes every node's torchrun return at once instead of waiting at its exit barrier for the
+    # node whose agent the notice ended.
+    return 0 if finished else PREEMPTED_EXIT_STATUS
 
 
 if __name__ == "__main__":

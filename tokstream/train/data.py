@@ -7,6 +7,7 @@ TokenDataset.get_item (token_dataset.py).
 """
 
 import hashlib
+import json
 import math
 import os
 import signal
@@ -65,6 +66,9 @@ def fetch_index_files(config: DataConfig) -> Path:
     if not store.exists(METADATA_FILE):
         raise UserError(f"{config.remote} has no {METADATA_FILE}: not a converted dataset, or its conversion "
                         "has not finished")
+    if not store.exists(f"{config.split}/index.json"):
+        raise UserError(f"{config.remote}/{config.split}/index.json is missing: the split's conversion never "
+                        "finished, or data.split names a split the dataset lacks")
     for relative in [METADATA_FILE] + [f"{s}/index.json" for s in (config.split, config.val_split)]:
         if relative == METADATA_FILE or store.exists(relative):
             target = root / relative
@@ -72,6 +76,26 @@ def fetch_index_files(config: DataConfig) -> Path:
             store.download(relative, temporary)
             os.replace(temporary, target)
     return root
+
+
+def check_split_files(root: Path, split: str) -> None:
+    """A local split's index.json and every shard it names, at the recorded size (hashes are
+    convert/verify.py's job): a cut or missing file is named here, not deep in a reader thread."""
+    index = root / split / "index.json"
+    if not index.is_file():
+        raise UserError(f"{index} is missing: the {split} split's conversion never finished; reconvert it")
+    try:
+        shards = json.loads(index.read_text())["shards"]
+    except (json.JSONDecodeError, KeyError) as err:
+        raise UserError(f"{index} is damaged ({type(err).__name__}: {err}); reconvert the split") from None
+    for shard in shards:
+        stored = shard["zip_data"] or shard["raw_data"]
+        path = root / split / stored["basename"]
+        size = path.stat().st_size if path.is_file() else None
+        if size != stored["bytes"]:
+            found = "is missing" if size is None else f"has {size} bytes, the index says {stored['bytes']}"
+            raise UserError(f"shard {path} {found}: the dataset is damaged; python convert/verify.py {root} "
+                            "checks every shard, reconverting repairs it")
 
 
 def dataset_identity(root: Path, split: str) -> str:
@@ -101,6 +125,9 @@ def open_dataset(config: DataConfig, vocab_size: int, block_size: int) -> Traini
     if config.split not in metadata.splits:
         raise UserError(f"{config.remote} has no {config.split} split (it has {', '.join(metadata.splits)}): "
                         "set data.split")
+    if not is_remote(config.remote):  # remote shards are checked against their hashes as they arrive
+        for split in {config.split, config.val_split} & set(metadata.splits):
+            check_split_files(root, split)
     return TrainingDataset(metadata, dataset_identity(root, config.split))
 
 

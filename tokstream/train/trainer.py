@@ -123,7 +123,12 @@ def use_deterministic_kernels() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def train(config: TrainConfig) -> None:
+# sysexits' EX_TEMPFAIL, "try again later": what a preempted rank exits with.
+PREEMPTED_EXIT_STATUS = 75
+
+
+def train(config: TrainConfig) -> bool:
+    """Train until max_steps (True) or a preemption notice (False, after a checkpoint)."""
     run = setup(config)
     dist, model, optimizer, progress = run.dist, run.model, run.optimizer, run.progress
     accumulation = run.plan.accumulation
@@ -142,7 +147,8 @@ def train(config: TrainConfig) -> None:
             if dist.master:
                 where = f"signal {run.preemption.received}" if run.preemption.received else "signal to another rank"
                 print(f"preempted ({where}): saved checkpoint at step {progress.step}, exiting")
-            break
+            dist.close()
+            return False
         started = time.perf_counter()
         lr = learning_rate(progress.step, config)
         for group in optimizer.param_groups:
@@ -188,6 +194,7 @@ def train(config: TrainConfig) -> None:
             run.checkpointer.save(step)
     bar.close()
     dist.close()
+    return True
 
 
 @torch.no_grad()
