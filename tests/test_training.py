@@ -20,6 +20,7 @@ import pytest
 from conftest import ROOT
 
 from tokstream.errors import UserError
+from tokstream.testing.processes import kill_tree, worker_pids
 
 STEPS = 16
 BASE = ["configs/tiny.yaml", f"max_steps={STEPS}", f"optim.decay_steps={STEPS}", "checkpoint_interval=4", "eval_interval=8",
@@ -74,41 +75,6 @@ def test_uninterrupted_run_partitions_every_global_batch(reference, dataset):
         assert not seen & set(rank0 + rank1)
         seen |= set(rank0 + rank1)
     assert reference[-1][2] < reference[0][2]  # it learns
-
-
-def _parents() -> dict[int, int]:
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue
-    return parents
-
-
-def worker_pids(launcher_pid: int) -> list[int]:
-    """The rank processes torchrun started (its direct children), oldest first."""
-    return sorted(pid for pid, parent in _parents().items() if parent == launcher_pid)
-
-
-def kill_tree(root: int) -> None:
-    """SIGKILL a process and all its descendants at once, as node loss or a cgroup kill does.
-
-    torchrun starts each rank in its own session, so killing torchrun's process group would
-    leave the ranks running; and each rank's multiprocessing resource tracker would unlink the
-    rank's shared memory if it outlived the rank. Everything is stopped first, so nothing reacts.
-    """
-    parents = _parents()
-    tree, frontier = [root], [root]
-    while frontier:
-        frontier = [pid for pid, parent in parents.items() if parent in frontier]
-        tree += frontier
-    for signum in (signal.SIGSTOP, signal.SIGKILL):
-        for pid in tree:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
 
 
 def preempt(dataset: Path, run_dir: Path, after_step: int, how: str, *settings: str) -> int:

@@ -1,0 +1,40 @@
+"""Process trees as a cluster kills them, for tests and benches."""
+
+import os
+import signal
+from pathlib import Path
+
+
+def _parents() -> dict[int, int]:
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+    return parents
+
+
+def worker_pids(launcher_pid: int) -> list[int]:
+    """The rank processes torchrun started (its direct children), oldest first."""
+    return sorted(pid for pid, parent in _parents().items() if parent == launcher_pid)
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL a process and all its descendants at once, as node loss or a cgroup kill does.
+
+    torchrun starts each rank in its own session, so killing torchrun's process group would
+    leave the ranks running; and each rank's multiprocessing resource tracker would unlink the
+    rank's shared memory if it outlived the rank. Everything is stopped first, so nothing reacts.
+    """
+    parents = _parents()
+    tree, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        tree += frontier
+    for signum in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in tree:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
