@@ -29,9 +29,10 @@ SHARED_CORPUS = ROOT.parent / "shared/corpora/tinyshakespeare.txt"
 OTHER_JOB = """
 import sys
 from streaming import StreamingDataset
+from tokstream.train.streaming_internals import shm_prefix
 dataset = StreamingDataset(local=sys.argv[1], split="train", shuffle=False, batch_size=1)
 next(iter(dataset))
-print("reading", flush=True)
+print(f"{shm_prefix(dataset):06}", flush=True)
 sys.stdin.readline()
 """
 
@@ -75,13 +76,9 @@ def main() -> None:
         if torchrun(dataset, reference_dir, steps).wait() != 0:
             sys.exit("error: the uninterrupted run failed")
 
-        other = subprocess.Popen([sys.executable, "-c", OTHER_JOB, str(dataset)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
-        assert other.stdout.readline() == "reading\n"
-        from tokstream.train.streaming_internals import LOCALS_BLOCK, locals_of_block
-
-        prefix = next(p.name.split("_")[0] for p in Path("/dev/shm").glob(f"*_{LOCALS_BLOCK}")
-                      if str(dataset) in " ".join(locals_of_block(p.read_bytes())))
+        other = subprocess.Popen([sys.executable, "-c", OTHER_JOB, str(dataset)], cwd=ROOT, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        prefix = other.stdout.readline().strip()
         blocks_before = other_jobs_blocks(prefix)
         run_dir, started = Path(tmp) / "run", time.perf_counter()
         try:
@@ -102,6 +99,8 @@ def main() -> None:
             print(f"{args.cycles} hard kills and relaunches in {time.perf_counter() - started:.0f} s; "
                   f"every relaunch started; final run equals the uninterrupted one (samples, losses): {same}; "
                   f"the other job's {len(blocks_before)} shared-memory blocks untouched: {intact}")
+            if not intact:
+                print(f"the other job's blocks before: {blocks_before}; after: {other_jobs_blocks(prefix)}")
             if not (same and intact):
                 sys.exit(1)
         finally:

@@ -213,8 +213,9 @@ def samples_per_step(run_dir: Path) -> list[list[int]]:
 
 def test_sample_schedule_over_several_epochs_ignores_ranks_micro_batch_and_a_change_of_them(tmp_path):
     """44 samples at 8 per step: epochs of 5 whole steps (40 samples; a different 4 left out each
-    epoch). The same samples make each of the 16 steps (3 epoch ends) whether 2 ranks x 4 samples,
-    or 1 rank x 8, preempted and relaunched on 2 ranks x 2 samples x 2 accumulation."""
+    epoch). The same samples make each of the 16 steps (3 epoch ends) whether 2 ranks x 4 samples
+    uninterrupted, or 1 rank x 8, SIGTERMed and relaunched on 2 ranks x 2 samples x 2 accumulation,
+    SIGTERMed again and relaunched on 1 rank x 4 x 2: each segment crosses an epoch end."""
     data = tiny_splits(tmp_path, 44, 8)
     reference = tmp_path / "reference"
     train(2, data, reference)
@@ -224,14 +225,17 @@ def test_sample_schedule_over_several_epochs_ignores_ranks_micro_batch_and_a_cha
         assert len(set(sum(schedule[epoch * 5:epoch * 5 + 5], []))) == 40  # no sample twice in an epoch
     assert set(sum(schedule[:5], [])) != set(sum(schedule[5:10], []))  # the left-out 4 change
 
-    changed = tmp_path / "changed"
-    process = launch(1, data, changed, "micro_batch_size=8")
-    wait_for(lambda: len(metrics(changed)) >= 7)  # past the first epoch end
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=120)
-    assert "preempted" in output, output[-3000:]
-    output = train(2, data, changed, "micro_batch_size=2")
-    assert "resuming a 1-rank run on 2 ranks" in output
+    changed, stopped = tmp_path / "changed", 0
+    for ranks, micro, after_step in ((1, 8, 6), (2, 2, 11)):
+        process = launch(ranks, data, changed, f"micro_batch_size={micro}")
+        # past the next epoch end, and past the relaunch's start-up (its signal handler is set)
+        wait_for(lambda: len(metrics(changed)) >= max(after_step, stopped + 1))
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=120)
+        assert "preempted" in output, output[-3000:]
+        stopped = len(metrics(changed))
+    output = train(1, data, changed, "micro_batch_size=4")
+    assert "resuming a 2-rank run on 1 ranks" in output
     assert samples_per_step(changed) == schedule
     for got, want in zip(metrics(changed), metrics(reference)):
         assert got["lr"] == want["lr"]
