@@ -47,7 +47,6 @@ class Run:
     preemption: PreemptionWatch
     autocast: object
     peak_flops: float | None
-    epoch_samples: int  # train samples per epoch: whole steps (BatchPlan.epoch_samples)
 
 
 def setup(config: TrainConfig) -> Run:
@@ -111,8 +110,7 @@ def setup(config: TrainConfig) -> Run:
     metrics.truncate_after(progress.step)
     autocast = torch.autocast("cuda", dtype=getattr(torch, config.dtype)) if use_cuda else nullcontext()
     return Run(config, dist, plan, raw_model, model, optimizer, batches, val_loader, progress, checkpointer,
-               metrics, PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None,
-               epoch_samples)
+               metrics, PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None)
 
 
 def use_deterministic_kernels() -> None:
