@@ -2,7 +2,9 @@
 
 
 import json
+import os
 
+import pytest
 import torch
 from conftest import ROOT
 
@@ -151,3 +153,43 @@ def test_rng_after_a_world_size_change_is_new_and_repeatable():
     assert not torch.equal(draws[0], first_draw)  # not step 0's stream again
     rank(1, 3).load_state_dict(saved)
     assert not torch.equal(torch.rand(4), draws[0])  # ranks differ
+
+
+class _RunsCode:
+    """What a planted checkpoint could carry: unpickling it runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    save_checkpoint(tmp_path, 4, {"step": torch.tensor(4)}, keep=3)
+    marker = tmp_path / "code-ran"
+    torch.save({"model": _RunsCode(marker)}, tmp_path / "ckpt-00000008.pt")  # newer: picked first
+    with pytest.raises(UserError, match=r"ckpt-00000008\.pt holds objects other than tensors and plain values"):
+        load_latest_checkpoint(tmp_path)
+    assert not marker.exists()
+
+
+def test_a_trainer_checkpoint_is_plain_data_and_restores_every_rng(tmp_path):
+    import random
+
+    import numpy as np
+
+    from tokstream.train.checkpoint import Checkpointer, find_latest
+    from tokstream.train.distributed import Distributed
+    from tokstream.train.rng import RankRNG
+
+    single = Distributed(rank=0, world=1, local_rank=0, device=torch.device("cpu"), enabled=False)
+    rng = RankRNG(single)
+    rng.seed(5)
+    np.random.rand(3)
+    components = {**_components(seed=1), "rng": rng}
+    Checkpointer(tmp_path, 2, single, components, {"config": {"optim": {"lr": 0.1}}, "dataset_identity": "x"}).save(3)
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    _, saved = find_latest(tmp_path)  # loads with weights_only=True
+    RankRNG(single).load_state_dict(saved["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1)) == expected
