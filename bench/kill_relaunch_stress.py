@@ -12,7 +12,6 @@ run's, step for step.
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
 from tokstream.testing.processes import kill_tree  # noqa: E402
+from tokstream.train.metrics import read_records  # noqa: E402
 
 SHARED_CORPUS = ROOT.parent / "shared/corpora/tinyshakespeare.txt"
 OTHER_JOB = """
@@ -47,9 +47,7 @@ def torchrun(dataset: Path, run_dir: Path, steps: int) -> subprocess.Popen:
 
 
 def steps_done(run_dir: Path) -> list[tuple]:
-    path = run_dir / "metrics.jsonl"
-    whole = path.read_text().rpartition("\n")[0] if path.exists() else ""
-    return [(r["step"], r["samples"], r["loss"]) for r in map(json.loads, whole.splitlines())]
+    return [(r["step"], r["samples"], r["loss"]) for r in read_records(run_dir)]
 
 
 def other_jobs_blocks(prefix: str) -> list[str]:

@@ -11,7 +11,6 @@ Both loss curves go to --plot.
 """
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
+from tokstream.train.metrics import read_records  # noqa: E402
 from train.plot import plot_runs  # noqa: E402
 
 
@@ -41,11 +41,7 @@ def finish(process: subprocess.Popen) -> str:
     return output
 
 
-def records(run_dir: Path) -> list[dict]:
-    """The run's metrics; a line still being written (no newline yet) is left out."""
-    path = run_dir / "metrics.jsonl"
-    whole_lines = path.read_text().rpartition("\n")[0] if path.exists() else ""
-    return [json.loads(line) for line in whole_lines.splitlines() if line]
+records = read_records
 
 
 def preempted_run(nproc: int, config: str, run_dir: Path, overrides: list[str], preempt_at: int) -> float:

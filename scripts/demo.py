@@ -7,7 +7,6 @@
    losses, and plots both loss curves to demo/loss.png.
 """
 
-import json
 import os
 import shutil
 import signal
@@ -18,6 +17,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a clone without installing
+
+from tokstream.train.metrics import read_records  # noqa: E402
+
 DEMO = ROOT / "demo"
 CORPUS = ROOT.parent / "shared" / "corpora" / "tinyshakespeare.txt"
 STEPS = 30
@@ -35,8 +38,7 @@ def run(command: list[str]) -> None:
 
 
 def steps(run_dir: Path) -> list[tuple]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [(r["step"], r["samples"], r["loss"]) for r in map(json.loads, lines)]
+    return [(r["step"], r["samples"], r["loss"]) for r in read_records(run_dir)]
 
 
 def echo_without_torchrun_signal_traceback(lines) -> None:

@@ -21,6 +21,7 @@ from conftest import ROOT
 
 from tokstream.errors import UserError
 from tokstream.testing.processes import kill_tree, worker_pids
+from tokstream.train.metrics import read_records
 
 STEPS = 16
 BASE = ["configs/tiny.yaml", f"max_steps={STEPS}", f"optim.decay_steps={STEPS}", "checkpoint_interval=4", "eval_interval=8",
@@ -50,8 +51,7 @@ def train(nproc: int, dataset: Path, run_dir: Path, *overrides: str) -> str:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_records(run_dir)  # polled while the run writes: a half-written last line is left out
 
 
 def wait_for(condition, timeout: float = 180) -> None:
@@ -333,8 +333,6 @@ def test_two_nodes_preempted_on_one_then_one_lost_then_relaunched_on_one_node(re
 
 def test_a_damaged_dataset_is_named_in_one_line_before_training_starts(tmp_path):
     """A cut or missing shard, a missing index.json, a metadata.json without its splits."""
-    import json as json_module
-
     from tokstream.train.config import DataConfig
     from tokstream.train.data import open_dataset
 
@@ -361,7 +359,7 @@ def test_a_damaged_dataset_is_named_in_one_line_before_training_starts(tmp_path)
     (data / "val" / "index.json").unlink()
     assert f"{data / 'val' / 'index.json'} is missing: the val split's conversion never finished" in refusal()
 
-    metadata = json_module.loads((data / "metadata.json").read_text())
+    metadata = json.loads((data / "metadata.json").read_text())
     del metadata["splits"]
-    (data / "metadata.json").write_text(json_module.dumps(metadata))
+    (data / "metadata.json").write_text(json.dumps(metadata))
     assert f"{data / 'metadata.json'} is damaged or hand-edited (KeyError: 'splits')" in refusal()

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from tokstream.errors import UserError
-from tokstream.format import BlockPacker, DatasetMetadata, ShardWriter, SplitStats, token_dtype, write_metadata
+from tokstream.format import (BlockPacker, DatasetMetadata, ShardWriter, SplitStats, stored_file, token_dtype,
+                              write_metadata)
 from tokstream.options import ConversionOptions
 from tokstream.resume import ShardJournal, SplitState, discard_state
 from tokstream.staging import Staging
@@ -74,7 +75,7 @@ class SplitWriter:
         shards = self.writer.shards
         return SplitStats(documents=self.documents, tokens=self.packer.tokens, samples=self.packer.samples,
                           dropped_tokens=self.packer.dropped_tokens, shards=len(shards),
-                          bytes=sum((s["zip_data"] or s["raw_data"])["bytes"] for s in shards))
+                          bytes=sum(stored_file(s)["bytes"] for s in shards))
 
 
 def text_metadata(tokenizer: Tokenizer, options: ConversionOptions, description: dict) -> DatasetMetadata:

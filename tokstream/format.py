@@ -304,7 +304,7 @@ class ShardWriter:
             pieces = (zstd.compress(header + bytes(body), int(level or 3)),)  # as streaming's Zstandard does
             shard["zip_data"] = self._file_info(f"{basename}.zstd", *pieces)
         shard.update(self.config)
-        path = self.directory / (shard["zip_data"] or shard["raw_data"])["basename"]
+        path = self.directory / stored_file(shard)["basename"]
         with open(path, "wb") as out:
             for piece in pieces:
                 out.write(piece)
@@ -329,9 +329,14 @@ class ShardWriter:
             self.journal.discard()
 
 
+def stored_file(shard: dict) -> dict:
+    """An index entry's file as it lies on disk: the compressed one when there is one."""
+    return shard["zip_data"] or shard["raw_data"]
+
+
 def shard_file_intact(directory: str | os.PathLike, shard: dict) -> bool:
     """Whether the file an index entry names is on disk with its recorded size and hashes."""
-    stored = shard["zip_data"] or shard["raw_data"]
+    stored = stored_file(shard)
     file = Path(directory) / stored["basename"]
     if not file.is_file() or file.stat().st_size != stored["bytes"]:
         return False

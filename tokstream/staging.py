@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokstream.errors import UserError
-from tokstream.format import shard_file_intact
+from tokstream.format import shard_file_intact, stored_file
 from tokstream.object_store import S3Dataset, Uploader, UploadError, is_s3
 from tokstream.resume import RESUME_KEY_FILE, STATE_FILE, key_matches, partial_path, replaced_path, write_key
 
@@ -38,7 +38,7 @@ class Staging:
         """Whether a shard an interrupted run recorded is still there, whole."""
         if self.remote_sizes is None:
             return shard_file_intact(self.path / split, shard)
-        stored = shard["zip_data"] or shard["raw_data"]
+        stored = stored_file(shard)
         return self.remote_sizes.get(f"{split}/{stored['basename']}") == stored["bytes"]
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from tokstream.errors import UserError
 from tokstream.format import (METADATA_FILE, DatasetMetadata, column_encoding, decompress_shard, file_hash,
-                              shard_samples)
+                              shard_samples, stored_file)
 from tokstream.object_store import S3Dataset, is_s3
 
 
@@ -76,7 +76,7 @@ def _read_index(files: DatasetFiles, split: str) -> dict:
 
 def _shard_bytes(files: DatasetFiles, split: str, shard: dict, problems: list[str]) -> bytes | None:
     """The shard's decompressed bytes after checking size and hashes, or None if it is unusable."""
-    stored = shard["zip_data"] or shard["raw_data"]
+    stored = stored_file(shard)
     path = f"{files.root}/{split}/{stored['basename']}"
     data = files.read(f"{split}/{stored['basename']}")
     if data is None:

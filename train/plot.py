@@ -5,7 +5,7 @@
 """
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -13,12 +13,16 @@ import matplotlib
 matplotlib.use("Agg")  # no display on cluster nodes
 import matplotlib.pyplot as plt  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
+
+from tokstream.train.metrics import read_records  # noqa: E402
+
 
 def read_metrics(run_dir: str) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise SystemExit(f"error: {path} does not exist: is {run_dir} a run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+    return read_records(run_dir)
 
 
 def plot_runs(run_dirs: list[str], out: str) -> None:

@@ -31,8 +31,12 @@ class BatchPlan:
         is cut. The rest of the split (fewer than lcm(global batch, canonical nodes) samples) is left
         out of each epoch, a different random subset each time (streaming's epoch_size sampling).
         """
-        unit = math.lcm(self.global_batch_size, num_canonical_nodes)
+        unit = self.epoch_unit(num_canonical_nodes)
         return split_samples // unit * unit
+
+    def epoch_unit(self, num_canonical_nodes: int) -> int:
+        """The smallest epoch of whole steps that divides evenly over the canonical nodes."""
+        return math.lcm(self.global_batch_size, num_canonical_nodes)
 
     def state_dict(self) -> dict:
         return {"global_batch_size": self.global_batch_size, "world_size": self.world_size,

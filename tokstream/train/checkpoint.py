@@ -63,14 +63,11 @@ def load_latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, dict] | tu
             # Data only: a checkpoint in shared storage must not be able to run code on the nodes
             # that resume from it, and this trainer writes nothing but tensors and plain values.
             return path, torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as err:
-            if "Weights only load failed" in str(err):
+        except Exception as err:  # truncated or corrupt file: say so and try the previous one
+            if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err):
                 raise UserError(f"{path} holds objects other than tensors and plain values, which a checkpoint "
                                 "of this trainer never does (or it is from a release before 2026-11-22): not "
                                 "loaded; remove it to resume from the one before") from None
-            print(f"warning: skipping unreadable checkpoint {path}: {type(err).__name__}: {err}")
-            failures.append(path)
-        except Exception as err:  # truncated or corrupt file: say so and try the previous one
             print(f"warning: skipping unreadable checkpoint {path}: {type(err).__name__}: {err}")
             failures.append(path)
     if failures:

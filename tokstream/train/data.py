@@ -20,7 +20,7 @@ import torch
 from streaming import StreamingDataLoader
 
 from tokstream.errors import UserError
-from tokstream.format import METADATA_FILE, DatasetMetadata, check_compatible, read_metadata
+from tokstream.format import METADATA_FILE, DatasetMetadata, check_compatible, read_metadata, stored_file
 from tokstream.train.batch_plan import BatchPlan
 from tokstream.train.config import DataConfig
 from tokstream.train.token_dataset import TokenDataset
@@ -89,7 +89,7 @@ def check_split_files(root: Path, split: str) -> None:
     except (json.JSONDecodeError, KeyError) as err:
         raise UserError(f"{index} is damaged ({type(err).__name__}: {err}); reconvert the split") from None
     for shard in shards:
-        stored = shard["zip_data"] or shard["raw_data"]
+        stored = stored_file(shard)
         path = root / split / stored["basename"]
         size = path.stat().st_size if path.is_file() else None
         if size != stored["bytes"]:
@@ -137,7 +137,7 @@ def train_epoch_samples(dataset: TrainingDataset, split: str, plan: BatchPlan, n
     samples = dataset.splits[split].samples
     epoch = plan.epoch_samples(samples, num_canonical_nodes)
     if epoch == 0:
-        unit = math.lcm(plan.global_batch_size, num_canonical_nodes)
+        unit = plan.epoch_unit(num_canonical_nodes)
         need = (f"one step's global_batch_size {plan.global_batch_size}" if unit == plan.global_batch_size else
                 f"{unit}, the smallest epoch of whole steps of {plan.global_batch_size} that divides over "
                 f"data.num_canonical_nodes {num_canonical_nodes}")

@@ -7,6 +7,17 @@ from pathlib import Path
 METRICS_FILE = "metrics.jsonl"
 
 
+def _whole_lines(path: Path) -> list[str]:
+    """The file's complete lines: a kill (or a read) mid-write leaves a last line without its newline."""
+    text = path.read_text() if path.exists() else ""
+    return [line for line in text.rpartition("\n")[0].splitlines() if line]
+
+
+def read_records(run_dir: str | os.PathLike) -> list[dict]:
+    """A run's metrics, one record per step, also while the run is still writing them."""
+    return [json.loads(line) for line in _whole_lines(Path(run_dir) / METRICS_FILE)]
+
+
 class MetricsLog:
     def __init__(self, run_dir: str | os.PathLike, enabled: bool):
         self.path = Path(run_dir) / METRICS_FILE
@@ -16,9 +27,7 @@ class MetricsLog:
         """Drop lines for steps after the checkpoint we resume from: they will be trained again."""
         if not self.enabled or not self.path.exists():
             return
-        # A kill mid-write leaves a last line without its newline: that step is retrained anyway.
-        whole_lines = self.path.read_text().rpartition("\n")[0].splitlines()
-        kept = [line for line in whole_lines if line and json.loads(line)["step"] <= step]
+        kept = [line for line in _whole_lines(self.path) if json.loads(line)["step"] <= step]
         temporary = self.path.with_suffix(".tmp")
         temporary.write_text("".join(line + "\n" for line in kept))
         os.replace(temporary, self.path)

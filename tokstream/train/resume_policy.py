@@ -47,13 +47,13 @@ def check_relaunch(saved: dict, config: TrainConfig) -> list[str]:
     now = config.to_dict()
     old_flat, new_flat = _flatten(saved), _flatten(now)
     changed = [key for key in new_flat if key in old_flat and old_flat[key] != new_flat[key] and key != "resume_allow"]
+    schedule_holds = _decay_steps(saved) == _decay_steps(now)
     notes = []
     for key in changed:
         change = f"{key} changed from {old_flat[key]!r} to {new_flat[key]!r}"
         reason = next((why for pattern, why in FIXED.items() if fnmatch(key, pattern)), None)
         if reason:
             raise UserError(f"{change} since the checkpoint: {reason}; keep it, or use a new run_dir")
-        schedule_holds = _decay_steps(saved) == _decay_steps(now)
         if key in FREE or (key == "optim.decay_steps" and schedule_holds) or (
                 key == "max_steps" and (schedule_holds or now["optim"]["decay_steps"])):
             notes.append(change)

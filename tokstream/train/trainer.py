@@ -138,6 +138,7 @@ def train(config: TrainConfig) -> bool:
     bar = tqdm(total=config.max_steps, initial=progress.step, unit="step", disable=not dist.master,
                dynamic_ncols=True)
     model.train()
+    finished = True
     while progress.step < config.max_steps:
         if run.preemption.should_stop():  # collective: every rank stops at this same step
             run.checkpointer.save(progress.step)
@@ -145,8 +146,8 @@ def train(config: TrainConfig) -> bool:
             if dist.master:
                 where = f"signal {run.preemption.received}" if run.preemption.received else "signal to another rank"
                 print(f"preempted ({where}): saved checkpoint at step {progress.step}, exiting")
-            dist.close()
-            return False
+            finished = False
+            break
         started = time.perf_counter()
         lr = learning_rate(progress.step, config)
         for group in optimizer.param_groups:
@@ -192,7 +193,7 @@ def train(config: TrainConfig) -> bool:
             run.checkpointer.save(step)
     bar.close()
     dist.close()
-    return True
+    return finished
 
 
 @torch.no_grad()
