@@ -227,17 +227,31 @@ def s3_reference(reference) -> list[tuple]:
     return reference[:10]
 
 
-def test_train_from_s3_preempt_and_resume_exactly(s3_reference, plays_on_s3, tmp_path):
-    """Same contract as a local dataset: preempted, relaunched, the same samples and losses."""
+def test_train_from_s3_into_s3_preempted_then_resumed_on_a_machine_with_an_empty_disk(s3_reference, plays_on_s3,
+                                                                                      tmp_path):
+    """Dataset and run_dir in S3. Preempted, the run's checkpoint and metrics are in the store; the
+    relaunch on another machine (new data cache, no local run files) gives the same samples and losses."""
     import test_training as training
 
-    run_dir = tmp_path / "run"
-    process = training.launch(2, plays_on_s3, run_dir, *cache_settings(tmp_path), "max_steps=10")
-    training.wait_for(lambda: len(training.metrics(run_dir)) >= 4)
+    run_dir = f"s3://{BUCKET}/runs/plays"
+
+    def machine(name: str) -> list[str]:
+        return [f"data.local={tmp_path / name / 'cache'}", "data.cache_limit=300kb",  # under half the data: evictions
+                f"run_local={tmp_path / name / 'run'}", "max_steps=10"]
+
+    process = training.launch(2, plays_on_s3, run_dir, *machine("a"))
+    training.wait_for(lambda: len(training.metrics(tmp_path / "a" / "run")) >= 5)
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
-    assert "preempted" in output, output[-3000:]
-    training.train(2, plays_on_s3, run_dir, *cache_settings(tmp_path), "max_steps=10")
+    assert re.search(r"preempted \(signal 15\): saved checkpoint at step \d+ in [\d.]+ s, [\d.]+ s after the notice: "
+                     r"within preempt_grace_s=30", output), output[-3000:]
+    assert re.search(r"preemption: a step [\d.]+ s \+ a save in flight [\d.]+ s \+ the final save [\d.]+ s = [\d.]+ s "
+                     r"of preempt_grace_s=30", output)
+    stopped = len(training.metrics(run_dir))
+    assert {"LATEST", f"ckpt-{stopped:08d}.pt", "metrics.jsonl"} <= set(keys("runs/plays"))
+
+    output = training.train(2, plays_on_s3, run_dir, *machine("b"))
+    assert f"resumed from {run_dir}/ckpt-{stopped:08d}.pt at step {stopped}" in output
     assert training.trained_steps(run_dir) == s3_reference
 
 
@@ -285,3 +299,51 @@ def test_relaunch_after_a_hard_kill_clears_the_stale_shared_memory(s3_reference,
         assert training.trained_steps(run_dir) == s3_reference
     finally:
         other_job.communicate("done\n", timeout=60)
+
+
+def s3_checkpointer(url: str, local, seed: int = 1):
+    import torch
+    from test_checkpoint import _components
+
+    from tokstream.train.checkpoint import Checkpointer
+    from tokstream.train.distributed import Distributed
+    from tokstream.train.run_store import open_run_store
+
+    single = Distributed(rank=0, world=1, local_rank=0, device=torch.device("cpu"), enabled=False)
+    store = open_run_store(url, str(local))
+    components = _components(seed)
+    return store, components, Checkpointer(store, 2, single, components, {})
+
+
+def test_a_checkpoint_whose_upload_fails_never_becomes_the_newest(proxy, tmp_path, capsys, monkeypatch):
+    """Uploads cut off mid-checkpoint: a periodic (background) save says so and training goes on with
+    the previous checkpoint the newest; a final save fails in one line; nothing half-visible. Then the
+    store unreachable at resume: one line, not a fresh start."""
+    from tokstream.errors import StoreError
+    from tokstream.train.checkpoint import find_latest
+
+    monkeypatch.setenv("TOKSTREAM_S3_MAX_ATTEMPTS", "2")
+    url = f"s3://{BUCKET}/runs/faulty"
+    store, components, checkpointer = s3_checkpointer(url, tmp_path / "node-a")
+    components["progress"].step = 4
+    checkpointer.save(4)
+    proxy.fail("PUT", "/ckpt-00000008.pt", times=-1, status=None)  # every attempt's connection dropped
+    components["progress"].step = 8
+    checkpointer.save(8, background=True)
+    checkpointer.wait()
+    warning = capsys.readouterr().out
+    assert "warning: checkpoint at step 8 not saved (cannot upload ckpt-00000008.pt to s3://corpora/runs/faulty: " in warning
+    assert "the newest checkpoint is still step 4; training goes on" in warning
+    with pytest.raises(StoreError, match="checkpoint at step 8 not saved: cannot upload ckpt-00000008.pt"):
+        checkpointer.save(8)  # the final save (or the preemption's) cannot hide it
+    assert keys("runs/faulty") == ["LATEST", "ckpt-00000004.pt"]
+    assert list((tmp_path / "node-a").iterdir()) == []  # no staging copies left either
+
+    proxy.clear()
+    fresh_store, _, _ = s3_checkpointer(url, tmp_path / "node-b")  # another machine, empty disk
+    url_found, saved = find_latest(fresh_store)
+    assert url_found == f"{url}/ckpt-00000004.pt" and saved["progress"]["step"] == 4
+    proxy.fail("GET", "/LATEST", times=-1, status=503)
+    with pytest.raises(StoreError) as unreachable:
+        find_latest(fresh_store)
+    assert str(unreachable.value) == "cannot read LATEST in s3://corpora/runs/faulty: SlowDown (HTTP 503)"

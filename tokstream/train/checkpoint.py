@@ -1,87 +1,125 @@
-"""Checkpoints: assembled from the run's stateful components, written atomically, newest complete one
-found on relaunch, last K kept.
+"""Checkpoints: assembled from the run's stateful components, written whole (in the background when
+asked), published by the LATEST pointer written last, newest complete one found on relaunch, last K kept.
 
 A checkpoint is a dict with one entry per component (`model`, `optimizer`, `loader`, `rng`,
 `progress`: whatever has `state_dict()` / `load_state_dict()`) and `run`, the facts a relaunch is
-checked against before anything is loaded (config, batch plan, dataset identity).
+checked against before anything is loaded (config, batch plan, dataset identity). Where the files
+live, and why a cut-off save is never taken for a complete one: run_store.py.
 """
 
+import json
 import os
 import pickle
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from tokstream.errors import UserError
+from tokstream.errors import StoreError, UserError
 from tokstream.train.distributed import Distributed
+from tokstream.train.metrics import METRICS_FILE
+from tokstream.train.run_store import POINTER, LocalRunStore, RunStore, staging_path
 
 CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
 
 
-def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
-    return Path(run_dir) / f"ckpt-{step:08d}.pt"
+def checkpoint_name(step: int) -> str:
+    return f"ckpt-{step:08d}.pt"
 
 
-def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary files of an interrupted save are ignored)."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
-    return sorted(p for p in run_dir.iterdir() if CHECKPOINT_NAME.match(p.name))
-
-
-def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict, keep: int) -> Path:
-    """Write to a temporary name, fsync, rename: a crash mid-write leaves the previous one intact."""
-    path = checkpoint_path(run_dir, step)
-    temporary = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(temporary, "wb") as handle:
-        torch.save(state, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    directory = os.open(path.parent, os.O_RDONLY)
+def _pointer_step(store: RunStore) -> int | None:
+    data = store.read_bytes(POINTER)
+    if data is None:
+        return None
     try:
-        os.fsync(directory)  # make the rename itself durable
-    finally:
-        os.close(directory)
-    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
-    return path
+        return int(json.loads(data)["step"])
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{store.url}/{POINTER} is damaged ({data[:80]!r}): it names the newest complete checkpoint; "
+                        "remove it and the run resumes from the newest checkpoint that loads") from None
 
 
-def load_latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, dict] | tuple[None, None]:
-    """The newest checkpoint that loads; a damaged newest one falls back to the one before.
+def checkpoints(store: RunStore) -> tuple[list[str], list[str]]:
+    """(complete checkpoints oldest first, unpublished ones: newer than LATEST, from a cut-off save).
 
-    Checkpoints that exist but none of which loads are refused: starting over from step 0 would
-    silently throw the run away.
+    Without LATEST, a local run directory's checkpoints all count (renamed into place whole, by a
+    release before the pointer); in S3 none does (its first save never got as far as the pointer).
     """
+    steps = sorted(int(m.group(1)) for m in map(CHECKPOINT_NAME.match, store.names()) if m)
+    newest = _pointer_step(store)
+    if newest is None:
+        newest = steps[-1] if steps and isinstance(store, LocalRunStore) else -1
+    return ([checkpoint_name(s) for s in steps if s <= newest], [checkpoint_name(s) for s in steps if s > newest])
+
+
+def write_checkpoint(store: RunStore, step: int, state: dict, keep: int, metrics: bytes | None = None) -> None:
+    """Checkpoint, then the metrics (an S3 run's copy), then LATEST; then the oldest beyond `keep` go."""
+    name = checkpoint_name(step)
+    staged = staging_path(store, name)
+    try:
+        with open(staged, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        store.publish(staged, name)
+        if metrics is not None:
+            store.publish_bytes(METRICS_FILE, metrics)
+        store.publish_bytes(POINTER, json.dumps({"checkpoint": name, "step": step}).encode())
+    finally:
+        staged.unlink(missing_ok=True)
+    complete, _ = checkpoints(store)
+    if keep > 0 and len(complete) > keep:
+        store.remove(complete[:-keep])
+
+
+def load_latest_checkpoint(store: RunStore) -> tuple[str, dict] | tuple[None, None]:
+    """The newest complete checkpoint that loads (its URL, its state); a damaged one falls back to
+    the one before. Checkpoints that exist but none of which loads are refused: starting over from
+    step 0 would silently throw the run away."""
+    complete, _ = checkpoints(store)
     failures = []
-    for path in reversed(list_checkpoints(run_dir)):
+    for name in reversed(complete):
+        url = f"{store.url}/{name}"
+        path = store.local_copy(name)
         try:
             # Data only: a checkpoint in shared storage must not be able to run code on the nodes
             # that resume from it, and this trainer writes nothing but tensors and plain values.
-            return path, torch.load(path, map_location="cpu", weights_only=True)
+            return url, torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # truncated or corrupt file: say so and try the previous one
             if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err):
-                raise UserError(f"{path} holds objects other than tensors and plain values, which a checkpoint "
+                raise UserError(f"{url} holds objects other than tensors and plain values, which a checkpoint "
                                 "of this trainer never does (or it is from a release before 2026-11-22): not "
                                 "loaded; remove it to resume from the one before") from None
-            print(f"warning: skipping unreadable checkpoint {path}: {type(err).__name__}: {err}")
-            failures.append(path)
+            print(f"warning: skipping unreadable checkpoint {url}: {type(err).__name__}: {err}")
+            failures.append(name)
+        finally:
+            store.release_copy(path)
     if failures:
-        raise UserError(f"none of the {len(failures)} checkpoints in {run_dir} can be read (newest: {failures[0].name}): "
+        raise UserError(f"none of the {len(failures)} checkpoints in {store.url} can be read (newest: {failures[0]}): "
                         "move them away to start the run over, or point run_dir at a copy that reads")
     return None, None
 
 
-def remove_unfinished_saves(run_dir: str | os.PathLike) -> list[Path]:
-    """Temporary files of saves that a kill interrupted (a run_dir belongs to one job at a time)."""
-    unfinished = sorted(Path(run_dir).glob("ckpt-*.pt.tmp*"))
-    for path in unfinished:
+def remove_unfinished_saves(store: RunStore) -> list[str]:
+    """What saves that a kill cut off left: staging files, and checkpoints LATEST never named (a
+    run_dir belongs to one job at a time)."""
+    staged = sorted(store.local.glob("*.tmp*")) if store.local.is_dir() else []
+    for path in staged:
         path.unlink(missing_ok=True)
-    return unfinished
+    _, unpublished = checkpoints(store)
+    store.remove(unpublished)
+    return [p.name for p in staged] + unpublished
+
+
+def find_latest(store: RunStore) -> tuple[str, dict] | tuple[None, None]:
+    """The newest complete checkpoint of a run, as written (nothing is restored yet)."""
+    url, saved = load_latest_checkpoint(store)
+    if saved is not None and "progress" not in saved:
+        raise UserError(f"{url} was written before checkpoints were assembled from components (tokstream "
+                        "before the tokstream.train package): resume it with that release, or use a new run_dir")
+    return url, saved
 
 
 class Stateful(Protocol):
@@ -90,47 +128,91 @@ class Stateful(Protocol):
     def load_state_dict(self, state) -> None: ...
 
 
-def find_latest(run_dir: str | os.PathLike) -> tuple[Path, dict] | tuple[None, None]:
-    """The newest complete checkpoint of a run, as written (nothing is restored yet)."""
-    path, saved = load_latest_checkpoint(run_dir)
-    if saved is not None and "progress" not in saved:
-        raise UserError(f"{path} was written before checkpoints were assembled from components (tokstream "
-                        "before the tokstream.train package): resume it with that release, or use a new run_dir")
-    return path, saved
+def to_host(value: object) -> object:
+    """A copy of a state in host memory that training can no longer change (the background save's snapshot)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: to_host(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_host(item) for item in value)
+    return value
 
 
 class Checkpointer:
-    """Saves and restores a run's components in its run_dir; rank 0 writes, every rank takes part."""
+    """Saves and restores a run's components in its store; rank 0 writes, every rank takes part.
 
-    def __init__(self, run_dir: str | os.PathLike, keep: int, dist: Distributed, components: dict[str, Stateful],
-                 run_record: dict):
-        self.run_dir, self.keep, self.dist = Path(run_dir), keep, dist
+    `save(step, background=True)` (periodic saves) takes a snapshot at the step boundary and writes
+    it on a thread while training goes on, at most one in flight; a failed background save is a
+    warning and the previous checkpoint stays the newest. `save(step)` (preemption, end of the run)
+    waits for the one in flight, writes, and raises if it cannot.
+    """
+
+    def __init__(self, store: RunStore, keep: int, dist: Distributed, components: dict[str, Stateful],
+                 run_record: dict, metrics_path: Path | None = None):
+        self.store, self.keep, self.dist = store, keep, dist
         self.components, self.run_record = components, run_record
-        self.saved_step: int | None = None  # the step the newest checkpoint holds
+        self.metrics_path = metrics_path  # an S3 run's local metrics, uploaded with each checkpoint
+        self.saved_step: int | None = None  # the step the newest complete checkpoint holds (rank 0)
+        self.snapshot_step: int | None = None  # the newest step whose state was taken (every rank)
+        self.stall_s = self.write_s = 0.0  # of the last save: training paused, writing took
+        self._in_flight: threading.Thread | None = None
         if dist.master:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            for path in remove_unfinished_saves(self.run_dir):
-                print(f"removed {path.name}, a save that was interrupted")
+            for name in remove_unfinished_saves(store):
+                print(f"removed {name}, a save that was interrupted")
         dist.barrier()
 
     def restore(self, saved: dict) -> None:
         for name, component in self.components.items():
             component.load_state_dict(saved[name])
-        self.saved_step = saved["progress"]["step"]
+        self.saved_step = self.snapshot_step = saved["progress"]["step"]
 
-    def save(self, step: int) -> None:
-        """Collective: each component's state (RNG states are gathered from every rank), written by rank 0.
-
-        A step already saved (a preemption right after a periodic save) is not written again.
-        """
-        if step == self.saved_step:
+    def save(self, step: int, background: bool = False) -> None:
+        """Collective (RNG states are gathered from every rank); a step already saved is not saved again."""
+        started = time.perf_counter()
+        if not background:
+            self.wait()
+            done = self.dist.gather(self.saved_step)[0] == step  # rank 0 knows whether it was written
+            if done:
+                return
+        elif step == self.snapshot_step:
             return
-        self.saved_step = step
+        self.snapshot_step = step
         state = {name: component.state_dict() for name, component in self.components.items()}
         state["run"] = self.run_record
         if self.dist.master:
-            save_checkpoint(self.run_dir, step, state, self.keep)
-        self.dist.barrier()
+            metrics = self.metrics_path.read_bytes() if self.metrics_path and self.metrics_path.exists() else None
+            if background:
+                self.wait()  # at most one in flight
+                snapshot = to_host(state)
+                self._in_flight = threading.Thread(target=self._write, args=(step, snapshot, metrics, True),
+                                                   name=f"checkpoint-{step}", daemon=False)
+                self._in_flight.start()
+            else:
+                self._write(step, state, metrics, False)
+        if not background:
+            self.dist.barrier()  # no rank exits (ending the job) before rank 0 has written
+        self.stall_s = time.perf_counter() - started
+
+    def _write(self, step: int, state: dict, metrics: bytes | None, background: bool) -> None:
+        began = time.perf_counter()
+        try:
+            write_checkpoint(self.store, step, state, self.keep, metrics)
+        except (OSError, StoreError) as err:
+            if not background:
+                raise StoreError(f"checkpoint at step {step} not saved: {err}") from None
+            newest = f"step {self.saved_step}" if self.saved_step is not None else "none"
+            print(f"warning: checkpoint at step {step} not saved ({err}); the newest checkpoint is still {newest}; "
+                  "training goes on", flush=True)
+            return
+        self.saved_step = step
+        self.write_s = time.perf_counter() - began
+
+    def wait(self) -> None:
+        """Until the save in flight (if any) has finished."""
+        if self._in_flight is not None:
+            self._in_flight.join()
+            self._in_flight = None
 
 
 class Progress:

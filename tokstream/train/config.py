@@ -55,7 +55,8 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    run_dir: str = "runs/default"
+    run_dir: str = "runs/default"  # a path, or s3://bucket/prefix so that checkpoints outlive the node
+    run_local: str | None = None  # an S3 run's node-local scratch (metrics as written, staging); default under TMPDIR
     max_steps: int = 600000
     global_batch_size: int = 480  # samples per optimizer step, over all ranks and micro-batches
     micro_batch_size: int = 12  # samples per rank per forward pass
@@ -71,6 +72,12 @@ class TrainConfig:
     eval_batches: int = 20
     checkpoint_interval: int = 1000
     keep_checkpoints: int = 3
+    # Periodic checkpoints are copied to host memory at the step boundary and written while training
+    # goes on; preemption and final saves always wait until written.
+    background_checkpoints: bool = True
+    # Seconds between a preemption notice (SIGTERM) and the kill: Kubernetes' default 30 s, about 120 s
+    # for cloud spot notices. Start-up warns when a step plus the saves could not fit in it.
+    preempt_grace_s: float = 30.0
     trace_samples: bool = False
     # Recipe settings a relaunch changes on purpose, e.g. [optim.lr]; any other change is refused
     # (resume_policy.py says what may change freely).

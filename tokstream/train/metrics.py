@@ -4,18 +4,30 @@ import json
 import os
 from pathlib import Path
 
+from tokstream.object_store import is_s3
+
 METRICS_FILE = "metrics.jsonl"
 
 
-def _whole_lines(path: Path) -> list[str]:
-    """The file's complete lines: a kill (or a read) mid-write leaves a last line without its newline."""
-    text = path.read_text() if path.exists() else ""
+def _whole_lines(text: str) -> list[str]:
+    """The complete lines: a kill (or a read) mid-write leaves a last line without its newline."""
     return [line for line in text.rpartition("\n")[0].splitlines() if line]
 
 
+def _read_text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
 def read_records(run_dir: str | os.PathLike) -> list[dict]:
-    """A run's metrics, one record per step, also while the run is still writing them."""
-    return [json.loads(line) for line in _whole_lines(Path(run_dir) / METRICS_FILE)]
+    """A run's metrics, one record per step, also while the run is still writing them. For a run
+    in S3: the copy uploaded with its newest checkpoint."""
+    if is_s3(run_dir):
+        from tokstream.train.run_store import S3RunStore
+
+        text = (S3RunStore(str(run_dir), local=".").read_bytes(METRICS_FILE) or b"").decode()
+    else:
+        text = _read_text(Path(run_dir) / METRICS_FILE)
+    return [json.loads(line) for line in _whole_lines(text)]
 
 
 class MetricsLog:
@@ -27,10 +39,16 @@ class MetricsLog:
         """Drop lines for steps after the checkpoint we resume from: they will be trained again."""
         if not self.enabled or not self.path.exists():
             return
-        kept = [line for line in _whole_lines(self.path) if json.loads(line)["step"] <= step]
+        kept = [line for line in _whole_lines(_read_text(self.path)) if json.loads(line)["step"] <= step]
         temporary = self.path.with_suffix(".tmp")
         temporary.write_text("".join(line + "\n" for line in kept))
         os.replace(temporary, self.path)
+
+    def replace(self, data: bytes) -> None:
+        """Start from another copy of the run's metrics (an S3 run's, on a node that may have none)."""
+        if self.enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_bytes(data)
 
     def write(self, record: dict) -> None:
         if self.enabled:

@@ -13,8 +13,9 @@ from fnmatch import fnmatch
 from tokstream.errors import UserError
 from tokstream.train.config import TrainConfig
 
-FREE = ("run_dir", "log_interval", "eval_interval", "eval_batches", "checkpoint_interval", "keep_checkpoints",
-        "trace_samples", "device", "compile", "deterministic", "micro_batch_size",
+FREE = ("run_dir", "run_local", "log_interval", "eval_interval", "eval_batches", "checkpoint_interval",
+        "keep_checkpoints", "background_checkpoints", "preempt_grace_s", "trace_samples", "device", "compile",
+        "deterministic", "micro_batch_size",
         "data.remote", "data.local", "data.val_split", "data.num_workers", "data.prefetch_factor",
         "data.predownload", "data.cache_limit", "data.validate_hash", "data.download_retry",
         "data.clean_stale_shared_memory")

@@ -20,11 +20,13 @@ from tokstream.train.batch_plan import BatchPlan
 from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
 from tokstream.train.config import TrainConfig
 from tokstream.train.distributed import Distributed
-from tokstream.train.metrics import MetricsLog, console_line
+from tokstream.train.grace import budget_line, measure_write_rate, notice_line, state_bytes
+from tokstream.train.metrics import METRICS_FILE, MetricsLog, console_line
 from tokstream.train.model import GPT, peak_bf16_flops
 from tokstream.train.preemption import PreemptionWatch
 from tokstream.train.resume_policy import check_relaunch
 from tokstream.train.rng import RankRNG
+from tokstream.train.run_store import RunStore, S3RunStore, open_run_store
 from tokstream.train.schedule import learning_rate
 from tokstream.train.stale_shm import remove_stale_shared_memory
 
@@ -42,6 +44,7 @@ class Run:
     batches: data.TrainBatches
     val_loader: object | None
     progress: Progress
+    store: RunStore
     checkpointer: Checkpointer
     metrics: MetricsLog
     preemption: PreemptionWatch
@@ -62,7 +65,8 @@ def setup(config: TrainConfig) -> Run:
         print(f"epochs of {epoch_samples // config.global_batch_size} steps: {epoch_samples} samples, "
               + (f"{left_out} of the split left out of each epoch (a different few each time)" if left_out
                  else "the whole split"))
-    checkpoint_path, saved = find_latest(config.run_dir)
+    store = open_run_store(config.run_dir, config.run_local, check_writable=dist.master)
+    checkpoint_url, saved = find_latest(store)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
         old = saved["run"]
         data.check_same_dataset(old["dataset_identity"], dataset)
@@ -97,19 +101,24 @@ def setup(config: TrainConfig) -> Run:
 
     progress, rng = Progress(), RankRNG(dist)
     rng.seed(config.seed)
-    checkpointer = Checkpointer(config.run_dir, config.keep_checkpoints, dist,
+    metrics = MetricsLog(store.local, enabled=dist.master)
+    in_store = isinstance(store, S3RunStore)  # the metrics are written here and uploaded with each checkpoint
+    checkpointer = Checkpointer(store, config.keep_checkpoints, dist,
                                 components={"model": raw_model, "optimizer": optimizer, "loader": batches,
                                             "rng": rng, "progress": progress},
                                 run_record={"config": config.to_dict(), "batch_plan": plan.state_dict(),
-                                            "dataset_identity": dataset.identity})
+                                            "dataset_identity": dataset.identity},
+                                metrics_path=metrics.path if in_store else None)
     if saved is not None:
         checkpointer.restore(saved)
         if dist.master:
-            print(f"resumed from {checkpoint_path} at step {progress.step}")
-    metrics = MetricsLog(config.run_dir, enabled=dist.master)
+            print(f"resumed from {checkpoint_url} at step {progress.step}")
+    if in_store and dist.master:
+        metrics.replace(store.read_bytes(METRICS_FILE) or b"")
+        print(f"metrics: {metrics.path} (a copy goes to {store.url} with each checkpoint)")
     metrics.truncate_after(progress.step)
     autocast = torch.autocast("cuda", dtype=getattr(torch, config.dtype)) if use_cuda else nullcontext()
-    return Run(config, dist, plan, raw_model, model, optimizer, batches, val_loader, progress, checkpointer,
+    return Run(config, dist, plan, raw_model, model, optimizer, batches, val_loader, progress, store, checkpointer,
                metrics, PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None)
 
 
@@ -138,14 +147,18 @@ def train(config: TrainConfig) -> bool:
     bar = tqdm(total=config.max_steps, initial=progress.step, unit="step", disable=not dist.master,
                dynamic_ncols=True)
     model.train()
-    finished = True
+    finished, first_step = True, progress.step
     while progress.step < config.max_steps:
         if run.preemption.should_stop():  # collective: every rank stops at this same step
+            saving = time.monotonic()
             run.checkpointer.save(progress.step)
             bar.close()
             if dist.master:
                 where = f"signal {run.preemption.received}" if run.preemption.received else "signal to another rank"
-                print(f"preempted ({where}): saved checkpoint at step {progress.step}, exiting")
+                done = time.monotonic()
+                print(f"preempted ({where}): " + notice_line(progress.step, done - saving,
+                                                             done - run.preemption.noticed_at, config.preempt_grace_s)
+                      + ", exiting")
             finished = False
             break
         started = time.perf_counter()
@@ -189,11 +202,22 @@ def train(config: TrainConfig) -> bool:
         bar.update(1)
         if dist.master and (step % config.log_interval == 0 or "val_loss" in record):
             bar.write(console_line(record))
-        if step % config.checkpoint_interval == 0 or step == config.max_steps:
+        if step == first_step + 2 and dist.master:  # the first step warms up; the second is a fair measure
+            bar.write(check_grace(run, seconds))
+        if step == config.max_steps:
             run.checkpointer.save(step)
+        elif step % config.checkpoint_interval == 0:
+            run.checkpointer.save(step, background=config.background_checkpoints)
     bar.close()
     dist.close()
     return finished
+
+
+def check_grace(run: Run, step_s: float) -> str:
+    """Whether a step plus the saves fit in preempt_grace_s, from the checkpoint's size and the store's speed."""
+    state = {"model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict()}
+    save_s = state_bytes(state) / measure_write_rate(run.store)
+    return budget_line(step_s, save_s, run.config.background_checkpoints, run.config.preempt_grace_s)[1]
 
 
 @torch.no_grad()

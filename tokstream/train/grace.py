@@ -1,0 +1,59 @@
+"""The preemption grace period: will a step plus the saves fit in it, and did the last save fit.
+
+After a notice the run finishes the step in flight, waits for the background save in flight (if
+any) and writes the final checkpoint; all of it must end before the platform's kill.
+"""
+
+import os
+import time
+
+import torch
+
+from tokstream.train.run_store import RunStore, staging_path
+
+PROBE_BYTES = 16 << 20
+
+
+def state_bytes(state: object) -> int:
+    """Bytes of the tensors in a (nested) state dict: what a checkpoint writes."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(value) for value in state)
+    return 0
+
+
+def measure_write_rate(store: RunStore) -> float:
+    """Bytes per second of writing (and fsyncing, or uploading) a 16 MiB file to the run's store."""
+    name = ".write-probe"
+    staged = staging_path(store, name)
+    began = time.perf_counter()
+    with open(staged, "wb") as handle:
+        handle.write(os.urandom(PROBE_BYTES))
+        handle.flush()
+        os.fsync(handle.fileno())
+    store.publish(staged, name)
+    seconds = time.perf_counter() - began
+    store.remove([name])
+    return PROBE_BYTES / max(seconds, 1e-6)
+
+
+def budget_line(step_s: float, save_s: float, background: bool, grace_s: float) -> tuple[bool, str]:
+    """(fits, the line saying so): a step, the save in flight (background saving), the final save."""
+    in_flight = save_s if background else 0.0
+    need = step_s + in_flight + save_s
+    parts = f"a step {step_s:.1f} s + " + (f"a save in flight {in_flight:.1f} s + " if background else "")
+    line = f"{parts}the final save {save_s:.1f} s = {need:.1f} s of preempt_grace_s={grace_s:g}"
+    if need <= grace_s:
+        return True, f"preemption: {line}"
+    return False, (f"warning: a preemption notice would end in a kill: {line}; give the job a longer grace "
+                   "period and set preempt_grace_s to it, or make the state smaller or the store faster")
+
+
+def notice_line(step: int, save_s: float, since_notice_s: float, grace_s: float) -> str:
+    """How the preemption save went against the deadline."""
+    verdict = "within" if since_notice_s <= grace_s else "PAST"
+    return (f"saved checkpoint at step {step} in {save_s:.1f} s, {since_notice_s:.1f} s after the notice: "
+            f"{verdict} preempt_grace_s={grace_s:g}")

@@ -1,0 +1,153 @@
+"""Where a run's files live: a local directory, or s3://bucket/prefix so that they outlive the node.
+
+A run directory holds `ckpt-XXXXXXXX.pt` checkpoints, `LATEST` (the name of the newest complete
+checkpoint) and `metrics.jsonl`. A file becomes visible only when whole: a local one by fsync and
+rename, an S3 object by the store's own all-or-nothing PUT (a killed multipart upload is never an
+object). A checkpoint counts once LATEST names it or a newer one, and LATEST is written last, so a
+save cut off at any point leaves the previous checkpoint in charge.
+
+An S3 run also has a local directory (`run_local`): the metrics being written, staging for uploads,
+downloads of the checkpoint to resume from. Nothing in it is needed to resume: a relaunch on a
+machine with an empty disk reads everything back from the store.
+"""
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+from tokstream.errors import StoreError
+from tokstream.object_store import S3Dataset, describe_error, is_s3
+
+POINTER = "LATEST"
+
+
+class LocalRunStore:
+    """A run directory on a filesystem (node-local, or shared between the nodes of a job)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.url = str(path)
+        self.root = Path(path)
+        self.local = self.root  # files are written and read in place
+
+    def names(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir()) if self.root.is_dir() else []
+
+    def read_bytes(self, name: str) -> bytes | None:
+        path = self.root / name
+        return path.read_bytes() if path.exists() else None
+
+    def local_copy(self, name: str) -> Path:
+        return self.root / name
+
+    def release_copy(self, path: Path) -> None:
+        pass  # the run directory's own file
+
+    def publish(self, staged: Path, name: str) -> None:
+        """Move a finished, fsynced file from the run directory's staging name to `name`, durably."""
+        os.replace(staged, self.root / name)
+        directory = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # make the rename itself durable
+        finally:
+            os.close(directory)
+
+    def publish_bytes(self, name: str, data: bytes) -> None:
+        staged = self.root / f"{name}.tmp{os.getpid()}"
+        with open(staged, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        self.publish(staged, name)
+
+    def remove(self, names: list[str]) -> None:
+        for name in names:
+            (self.root / name).unlink(missing_ok=True)
+
+
+class S3RunStore:
+    """A run directory at s3://bucket/prefix, with a node-local directory for staging and metrics."""
+
+    def __init__(self, url: str, local: str | os.PathLike):
+        self.url = url.rstrip("/")
+        self.store = S3Dataset(self.url)
+        self.local = Path(local)
+
+    def _fail(self, doing: str, err: Exception) -> StoreError:
+        return StoreError(f"cannot {doing} {self.url}: {describe_error(err)}")
+
+    def names(self) -> list[str]:
+        try:
+            return sorted(name for name in self.store.keys() if "/" not in name)
+        except Exception as err:
+            raise self._fail("list", err) from None
+
+    def read_bytes(self, name: str) -> bytes | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.store.client.get_object(Bucket=self.store.bucket, Key=self.store.key(name))["Body"].read()
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise self._fail(f"read {name} in", err) from None
+        except Exception as err:
+            raise self._fail(f"read {name} in", err) from None
+
+    def local_copy(self, name: str) -> Path:
+        destination = self.local / f"download-{os.getpid()}" / name  # ranks of a node download side by side
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.store.client.download_file(self.store.bucket, self.store.key(name), str(destination))
+        except Exception as err:
+            raise self._fail(f"download {name} from", err) from None
+        return destination
+
+    def release_copy(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        path.parent.rmdir()
+
+    def publish(self, staged: Path, name: str) -> None:
+        """Upload a finished local file as `name` (visible only once whole), then drop the local copy."""
+        try:
+            self.store.client.upload_file(str(staged), self.store.bucket, self.store.key(name))
+        except Exception as err:
+            raise self._fail(f"upload {name} to", err) from None
+        staged.unlink(missing_ok=True)
+
+    def publish_bytes(self, name: str, data: bytes) -> None:
+        try:
+            self.store.put_bytes(name, data)
+        except Exception as err:
+            raise self._fail(f"upload {name} to", err) from None
+
+    def remove(self, names: list[str]) -> None:
+        try:
+            self.store.delete(names)
+        except Exception as err:
+            raise self._fail("delete old checkpoints in", err) from None
+
+
+RunStore = LocalRunStore | S3RunStore
+
+
+def default_run_local(run_dir: str) -> Path:
+    """Node-local scratch for an S3 run: under the temporary directory, one folder per run URL."""
+    digest = hashlib.blake2b(run_dir.encode(), digest_size=6).hexdigest()
+    return Path(tempfile.gettempdir()) / "tokstream-runs" / digest
+
+
+def open_run_store(run_dir: str, run_local: str | None, check_writable: bool = True) -> RunStore:
+    """The store for `run_dir` (a path or s3://bucket/prefix); S3 is checked before any work."""
+    if not is_s3(run_dir):
+        return LocalRunStore(run_dir)
+    store = S3RunStore(run_dir, Path(run_local) if run_local else default_run_local(run_dir))
+    if check_writable:
+        store.store.check_writable()
+    return store
+
+
+def staging_path(store: RunStore, name: str) -> Path:
+    """Where a file is written before `publish`: beside its final name locally, in run_local for S3."""
+    store.local.mkdir(parents=True, exist_ok=True)
+    return store.local / f"{name}.tmp{os.getpid()}"
