@@ -2,16 +2,20 @@
 
 import os
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+import test_training as training
 from conftest import ROOT, run_script, shakespeare_paragraphs, tagged_lines, tree_bytes, wikitext_articles, write_jsonl
 from tokstream.object_store import S3Dataset
-from tokstream.testing.loopback_s3 import FaultProxy, start_loopback_s3
+from tokstream.testing.loopback_s3 import FaultProxy, free_port, start_loopback_s3
 
 BUCKET = "corpora"
 
@@ -231,8 +235,6 @@ def test_train_from_s3_into_s3_preempted_then_resumed_on_a_machine_with_an_empty
                                                                                       tmp_path):
     """Dataset and run_dir in S3. Preempted, the run's checkpoint and metrics are in the store; the
     relaunch on another machine (new data cache, no local run files) gives the same samples and losses."""
-    import test_training as training
-
     run_dir = f"s3://{BUCKET}/runs/plays"
 
     def machine(name: str) -> list[str]:
@@ -271,8 +273,6 @@ def test_relaunch_after_a_hard_kill_clears_the_stale_shared_memory(s3_reference,
     local directory", as data.clean_stale_shared_memory=false shows); ours
     removes those blocks at start and resumes exactly, also while another job on the node, started
     after the kill, maps them (streaming keeps every block it walked past mapped until exit)."""
-    import test_training as training
-
     from tokstream.train.stale_shm import SHM_DIR, mapped_shm_inodes
     from tokstream.train.streaming_internals import locals_of_block
 
@@ -347,3 +347,72 @@ def test_a_checkpoint_whose_upload_fails_never_becomes_the_newest(proxy, tmp_pat
     with pytest.raises(StoreError) as unreachable:
         find_latest(fresh_store)
     assert str(unreachable.value) == "cannot read LATEST in s3://corpora/runs/faulty: SlowDown (HTTP 503)"
+
+
+# Several nodes on one machine, as a cluster has them: one torchrun agent per node, each in its own
+# mount namespace with a private /dev/shm (streaming's shared memory) and its own disk folder (TMPDIR
+# for streaming's lock files, caches, run_local), meeting by static rendezvous on 127.0.0.1. The
+# test keeps the run in S3, as a cluster of preemptible nodes without a shared filesystem does.
+def namespaces_permitted() -> bool:
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True).returncode == 0
+
+
+def launch_node(node: int, nodes: int, port: int, dataset: str, run_dir: str, node_disk: Path,
+                *overrides: str) -> subprocess.Popen:
+    """One node's torchrun with one rank; the process is torchrun itself (unshare and sh exec it)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node}",
+                "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+                str(ROOT / "train/main.py"), *training.BASE, f"data.remote={dataset}", f"run_dir={run_dir}", *overrides]
+    node_tmp = node_disk / "tmp"
+    node_tmp.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(node_tmp))
+    return subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                             f"mount -t tmpfs node-shm /dev/shm && exec {shlex.join(torchrun)}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.skipif(not namespaces_permitted(), reason="mount namespaces are not permitted here (unshare --mount "
+                    "failed): several nodes on one machine need root or user namespaces")
+def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_disks(reference, plays_on_s3, tmp_path):
+    """2 nodes x 1 rank, dataset and run_dir in S3, each node's disk (cache, run_local, /dev/shm)
+    discarded whenever the job ends. A notice to node 1 alone: every rank checkpoints at the same step
+    and both agents exit at once with a non-zero status a scheduler requeues on (node 0's used to wait
+    out its exit barrier). Relaunched on new disks, node 1 is then lost for good (SIGKILL) after a
+    checkpoint and the job torn down; relaunched on one new node with 2 ranks, it finishes on the
+    same samples at every step."""
+    run_dir = f"s3://{BUCKET}/runs/two-nodes"
+
+    def job(name: str) -> list[subprocess.Popen]:
+        port = free_port()
+        disks = [tmp_path / name / f"node{node}" for node in range(2)]
+        return [launch_node(node, 2, port, plays_on_s3, run_dir, disk, f"data.local={disk / 'cache'}",
+                            f"run_local={disk / 'run'}") for node, disk in enumerate(disks)]
+
+    def steps_on_node0(name: str) -> int:
+        return len(training.metrics(tmp_path / name / "node0" / "run"))
+
+    nodes = job("first")
+    training.wait_for(lambda: steps_on_node0("first") >= 3)
+    nodes[1].send_signal(signal.SIGTERM)
+    outputs = [node.communicate(timeout=90)[0] for node in nodes]  # both gone, not just the signalled one
+    assert all(node.returncode != 0 for node in nodes)
+    assert "preempted (signal to another rank)" in outputs[0], outputs[0][-3000:]
+    stopped = len(training.metrics(run_dir))
+    assert f"ckpt-{stopped:08d}.pt" in keys("runs/two-nodes")
+    shutil.rmtree(tmp_path / "first")
+
+    nodes = job("second")
+    training.wait_for(lambda: steps_on_node0("second") >= 10)  # past the step-8 checkpoint, before step 12's
+    for node in (nodes[1], nodes[0]):  # node 1 lost; the scheduler then ends the job's other node
+        training.kill_tree(node.pid)
+        node.communicate(timeout=60)
+    shutil.rmtree(tmp_path / "second")
+
+    output = training.train(2, plays_on_s3, run_dir, f"data.local={tmp_path / 'third' / 'cache'}",
+                            f"run_local={tmp_path / 'third' / 'run'}")
+    assert f"resumed from {run_dir}/ckpt-00000008.pt at step 8" in output
+    steps = training.metrics(run_dir)
+    assert [m["step"] for m in steps] == list(range(1, len(reference) + 1))
+    for got, (step, samples, loss, lr) in zip(steps, reference):
+        assert sorted(sum(got["samples"], [])) == sorted(samples[0] + samples[1])
+        assert got["loss"] == pytest.approx(loss, rel=1e-4)

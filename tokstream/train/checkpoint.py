@@ -128,15 +128,37 @@ class Stateful(Protocol):
     def load_state_dict(self, state) -> None: ...
 
 
-def to_host(value: object) -> object:
-    """A copy of a state in host memory that training can no longer change (the background save's snapshot)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: to_host(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_host(item) for item in value)
-    return value
+class HostSnapshot:
+    """Copies of a state's tensors in host memory that training can no longer change: what a
+    background save writes. The buffers are allocated (pinned, for GPU tensors) at the first
+    snapshot and reused: a fresh 1.5 GB allocation costs more in page faults than the copy itself."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def take(self, state: object) -> object:
+        self._taken: dict[tuple, torch.Tensor] = {}  # a tensor reached twice (tied weights) is copied once
+        snapshot = self._copy(state, ())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the device-to-host copies were queued without blocking
+        return snapshot
+
+    def _copy(self, value: object, where: tuple) -> object:
+        if isinstance(value, torch.Tensor):
+            identity = (value.device, value.data_ptr(), value.shape, value.dtype, value.stride())
+            if identity in self._taken:
+                return self._taken[identity]
+            buffer = self.buffers.get(where)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                self.buffers[where] = buffer
+            self._taken[identity] = buffer.copy_(value.detach(), non_blocking=value.is_cuda)
+            return buffer
+        if isinstance(value, dict):
+            return {key: self._copy(item, (*where, key)) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(item, (*where, index)) for index, item in enumerate(value))
+        return value
 
 
 class Checkpointer:
@@ -157,6 +179,7 @@ class Checkpointer:
         self.snapshot_step: int | None = None  # the newest step whose state was taken (every rank)
         self.stall_s = self.write_s = 0.0  # of the last save: training paused, writing took
         self._in_flight: threading.Thread | None = None
+        self._snapshot = HostSnapshot()
         if dist.master:
             for name in remove_unfinished_saves(store):
                 print(f"removed {name}, a save that was interrupted")
@@ -183,8 +206,8 @@ class Checkpointer:
         if self.dist.master:
             metrics = self.metrics_path.read_bytes() if self.metrics_path and self.metrics_path.exists() else None
             if background:
-                self.wait()  # at most one in flight
-                snapshot = to_host(state)
+                self.wait()  # at most one in flight, and its buffers are free again
+                snapshot = self._snapshot.take(state)
                 self._in_flight = threading.Thread(target=self._write, args=(step, snapshot, metrics, True),
                                                    name=f"checkpoint-{step}", daemon=False)
                 self._in_flight.start()
@@ -207,6 +230,11 @@ class Checkpointer:
             return
         self.saved_step = step
         self.write_s = time.perf_counter() - began
+
+    @property
+    def in_flight(self) -> bool:
+        """A background save is still being written."""
+        return self._in_flight is not None and self._in_flight.is_alive()
 
     def wait(self) -> None:
         """Until the save in flight (if any) has finished."""

@@ -15,14 +15,22 @@ PROBE_BYTES = 16 << 20
 
 
 def state_bytes(state: object) -> int:
-    """Bytes of the tensors in a (nested) state dict: what a checkpoint writes."""
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(state_bytes(value) for value in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(state_bytes(value) for value in state)
-    return 0
+    """Bytes of the tensors in a (nested) state dict, each storage once (tied weights): what a checkpoint writes."""
+    storages: dict[int, int] = {}
+
+    def visit(value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(state)
+    return sum(storages.values())
 
 
 def measure_write_rate(store: RunStore) -> float:
