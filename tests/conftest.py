@@ -156,3 +156,30 @@ def reference(dataset, tmp_path_factory) -> list[tuple]:
     steps = training.trained_steps(run_dir)
     assert [s[0] for s in steps] == list(range(1, training.STEPS + 1))
     return steps
+
+
+# A real S3 endpoint for the tests: moto's server on 127.0.0.1, reached through a proxy that injects
+# faults (tokstream/testing/loopback_s3.py); one per session, the environment pointing at it.
+BUCKET = "corpora"
+
+
+@pytest.fixture(scope="session")
+def s3():
+    from tokstream.testing.loopback_s3 import FaultProxy, start_loopback_s3
+
+    saved = dict(os.environ)
+    server = start_loopback_s3(BUCKET)
+    proxy = FaultProxy(server.port)  # clients talk to moto through the fault-injecting proxy
+    os.environ.update(S3_ENDPOINT_URL=proxy.url, TOKSTREAM_S3_MAX_ATTEMPTS="6")
+    yield proxy
+    proxy.stop()
+    server.stop()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture()
+def proxy(s3):
+    s3.clear()
+    yield s3
+    s3.clear()

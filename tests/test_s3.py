@@ -13,31 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import test_training as training
-from conftest import ROOT, run_script, shakespeare_paragraphs, tagged_lines, tree_bytes, wikitext_articles, write_jsonl
+from conftest import (BUCKET, ROOT, run_script, shakespeare_paragraphs, tagged_lines, tree_bytes, wikitext_articles,
+                      write_jsonl)
 from tokstream.object_store import S3Dataset
-from tokstream.testing.loopback_s3 import FaultProxy, free_port, start_loopback_s3
-
-BUCKET = "corpora"
-
-
-@pytest.fixture(scope="module")
-def s3():
-    saved = dict(os.environ)
-    server = start_loopback_s3(BUCKET)
-    proxy = FaultProxy(server.port)  # clients talk to moto through the fault-injecting proxy
-    os.environ.update(S3_ENDPOINT_URL=proxy.url, TOKSTREAM_S3_MAX_ATTEMPTS="6")
-    yield proxy
-    proxy.stop()
-    server.stop()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-@pytest.fixture()
-def proxy(s3):
-    s3.clear()
-    yield s3
-    s3.clear()
+from tokstream.testing.loopback_s3 import free_port
 
 
 def keys(prefix: str) -> list[str]:
@@ -211,13 +190,12 @@ def test_a_corrupt_shard_is_rejected_by_name(proxy, corpus, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def plays_on_s3(s3, tmp_path_factory) -> str:
-    corpus = tmp_path_factory.mktemp("plays") / "plays.txt"
-    corpus.write_text("\n\n".join(shakespeare_paragraphs()) + "\n")
-    done = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--txt-docs", "paragraph", "--out",
-                      f"s3://{BUCKET}/plays", "--block-size", "64", "--val-fraction", "0.05", "--shard-size", "64kb")
-    assert done.returncode == 0, done.stderr
-    return f"s3://{BUCKET}/plays"
+def plays_on_s3(s3, dataset) -> str:
+    """The training tests' dataset, uploaded file for file (converting to S3 is tested above)."""
+    store = S3Dataset(f"s3://{BUCKET}/plays")
+    for path in sorted(p for p in dataset.rglob("*") if p.is_file()):
+        store.upload(path, path.relative_to(dataset).as_posix())
+    return store.url
 
 
 def cache_settings(tmp_path) -> list[str]:
@@ -350,11 +328,12 @@ def test_a_checkpoint_whose_upload_fails_never_becomes_the_newest(proxy, tmp_pat
 
 
 # Several nodes on one machine, as a cluster has them: one torchrun agent per node, each in its own
-# mount namespace with a private /dev/shm (streaming's shared memory) and its own disk folder (TMPDIR
+# IPC and mount namespaces with a private /dev/shm (streaming's shared memory) and its own disk folder (TMPDIR
 # for streaming's lock files, caches, run_local), meeting by static rendezvous on 127.0.0.1. The
 # test keeps the run in S3, as a cluster of preemptible nodes without a shared filesystem does.
 def namespaces_permitted() -> bool:
-    return subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True).returncode == 0
+    return subprocess.run(["unshare", "--ipc", "--mount", "--propagation", "private", "true"],
+                          capture_output=True).returncode == 0
 
 
 def launch_node(node: int, nodes: int, port: int, dataset: str, run_dir: str, node_disk: Path,
@@ -366,12 +345,12 @@ def launch_node(node: int, nodes: int, port: int, dataset: str, run_dir: str, no
     node_tmp = node_disk / "tmp"
     node_tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(node_tmp))
-    return subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+    return subprocess.Popen(["unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c",
                              f"mount -t tmpfs node-shm /dev/shm && exec {shlex.join(torchrun)}"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-@pytest.mark.skipif(not namespaces_permitted(), reason="mount namespaces are not permitted here (unshare --mount "
+@pytest.mark.skipif(not namespaces_permitted(), reason="namespaces are not permitted here (unshare --ipc --mount "
                     "failed): several nodes on one machine need root or user namespaces")
 def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_disks(reference, plays_on_s3, tmp_path):
     """2 nodes x 1 rank, dataset and run_dir in S3, each node's disk (cache, run_local, /dev/shm)

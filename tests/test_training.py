@@ -26,15 +26,13 @@ BASE = ["configs/tiny.yaml", f"max_steps={STEPS}", f"optim.decay_steps={STEPS}",
         "trace_samples=true", "log_interval=100"]
 
 
-def torchrun_command(nproc: int, dataset: Path, run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(ROOT / "train/main.py"), *BASE, f"data.remote={dataset}", f"run_dir={run_dir}", *overrides]
-
-
-def launch(nproc: int, dataset: Path, run_dir: Path, *overrides: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.Popen(torchrun_command(nproc, dataset, run_dir, *overrides), cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def launch(nproc: int, dataset: Path, run_dir: Path, *overrides: str, torchrun: tuple = (),
+           env: dict | None = None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun,
+               str(ROOT / "train/main.py"), *BASE, f"data.remote={dataset}", f"run_dir={run_dir}", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 def finish(process: subprocess.Popen, timeout: float = 300) -> str:
@@ -124,6 +122,17 @@ def test_sigkill_after_a_checkpoint_then_relaunch_resumes_exactly(reference, dat
     assert trained_steps(tmp_path) == reference  # steps after the checkpoint were retrained, same samples
 
 
+def test_torchrun_max_restarts_recovers_a_crashed_rank_by_itself(reference, dataset, tmp_path):
+    """Rank 1 dies abruptly after step 6 (TOKSTREAM_CRASH_AT, a test-only fault): torchrun
+    --max-restarts=1 restarts both ranks, which resume from the step-4 checkpoint by themselves and
+    finish with the uninterrupted run's samples and losses, bitwise."""
+    process = launch(2, dataset, tmp_path, torchrun=("--max-restarts=1",), env={"TOKSTREAM_CRASH_AT": "1:6"})
+    output = finish(process)
+    assert "rank 1: crashing after step 6 (TOKSTREAM_CRASH_AT)" in output
+    assert f"resumed from {tmp_path / 'ckpt-00000004.pt'} at step 4" in output
+    assert trained_steps(tmp_path) == reference
+
+
 HOLD_A_DATASET = """
 import sys
 from streaming import StreamingDataset
@@ -203,58 +212,6 @@ def test_a_dataset_that_does_not_fit_the_run_is_refused_in_one_line(dataset, tmp
         lambda: train_epoch_samples(small, "train", BatchPlan(8, 4, 2), 1))
     # 3 val samples cannot give each of 2 ranks a batch of 4: evaluation is turned off, not reported as 0
     assert not val_split_holds_a_batch(small, "val", 2, 4) and val_split_holds_a_batch(small, "val", 1, 3)
-
-
-def samples_per_step(run_dir: Path) -> list[list[int]]:
-    """Each step's global sample ids, whichever rank and micro-batch took them."""
-    return [sorted(sum(m["samples"], [])) for m in metrics(run_dir)]
-
-
-def test_sample_schedule_over_several_epochs_ignores_ranks_micro_batch_and_a_change_of_them(tmp_path):
-    """44 samples at 8 per step: epochs of 5 whole steps (40 samples; a different 4 left out each
-    epoch). The same samples make each of the 16 steps (3 epoch ends) whether 2 ranks x 4 samples
-    uninterrupted, or 1 rank x 8, SIGTERMed and relaunched on 2 ranks x 2 samples x 2 accumulation,
-    SIGTERMed again and relaunched on 1 rank x 4 x 2: each segment crosses an epoch end."""
-    data = tiny_splits(tmp_path, 44, 8)
-    reference = tmp_path / "reference"
-    train(2, data, reference)
-    schedule = samples_per_step(reference)
-    assert len(schedule) == STEPS and all(len(step) == len(set(step)) == 8 for step in schedule)
-    for epoch in range(3):
-        assert len(set(sum(schedule[epoch * 5:epoch * 5 + 5], []))) == 40  # no sample twice in an epoch
-    assert set(sum(schedule[:5], [])) != set(sum(schedule[5:10], []))  # the left-out 4 change
-
-    changed, stopped = tmp_path / "changed", 0
-    for ranks, micro, after_step in ((1, 8, 6), (2, 2, 11)):
-        process = launch(ranks, data, changed, f"micro_batch_size={micro}")
-        # past the next epoch end, and past the relaunch's start-up (its signal handler is set)
-        wait_for(lambda: len(metrics(changed)) >= max(after_step, stopped + 1))
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=120)
-        assert "preempted" in output, output[-3000:]
-        stopped = len(metrics(changed))
-    output = train(1, data, changed, "micro_batch_size=4")
-    assert "resuming a 2-rank run on 1 ranks" in output
-    assert samples_per_step(changed) == schedule
-    for got, want in zip(metrics(changed), metrics(reference)):
-        assert got["lr"] == want["lr"]
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
-
-
-def test_a_preemption_notice_during_evaluation_stops_it_and_checkpoints(tmp_path):
-    """An evaluation of 2,500 batches per rank runs at step 2; SIGTERM once step 1 is logged. The
-    run must not finish that evaluation (it outlasts a real notice's grace period) but checkpoint."""
-    data = tiny_splits(tmp_path, 40, 20_000)
-    run_dir = tmp_path / "run"
-    process = launch(2, data, run_dir, "eval_interval=2", "eval_batches=100000")
-    wait_for(lambda: len(metrics(run_dir)) >= 1)
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=120)
-    records = metrics(run_dir)
-    assert not any("val_loss" in r for r in records)
-    assert "preempted" in output and (run_dir / f"ckpt-{len(records):08d}.pt").exists()
-    if len(records) == 2:  # the notice came after step 2 began, as intended (else before: nothing to show)
-        assert "evaluation at step 2 stopped: preemption notice" in output
 
 
 def test_an_epoch_is_whole_steps_that_divide_over_the_canonical_nodes():

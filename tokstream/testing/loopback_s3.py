@@ -2,13 +2,17 @@
 
 boto3 and streaming reach it through S3_ENDPOINT_URL over HTTP, exactly as they would reach AWS.
 The proxy forwards every request to moto unchanged unless a fault is armed: an HTTP error status
-(e.g. 503 SlowDown, 403 AccessDenied) for the next N matching requests, or a connection dropped
-without a response (what a reset or a dead load balancer looks like to the client).
+(e.g. 503 SlowDown, 403 AccessDenied) for the next N matching requests, a connection dropped
+without a response (what a reset or a dead load balancer looks like to the client), or a request
+held that long before its connection is dropped (an upload in flight, for a test to kill the
+uploader in the middle of it).
 """
 
 import http.client
 import socket
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -25,6 +29,15 @@ class Fault:
     path_contains: str
     remaining: int  # how many matching requests to spoil; -1: all of them
     status: int | None  # HTTP status to answer with; None: drop the connection
+    hold_s: float = 0.0  # before dropping the connection, hold the request this long
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client the test killed: expected
+            super().handle_error(request, client_address)
 
 
 class FaultProxy:
@@ -34,6 +47,7 @@ class FaultProxy:
         self.upstream_port = upstream_port
         self.faults: list[Fault] = []
         self.spoiled = 0
+        self.holding = threading.Event()  # set once a held request has arrived
         self.lock = threading.Lock()
         proxy = self
 
@@ -46,9 +60,15 @@ class FaultProxy:
             def _handle(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 fault = proxy._take_fault(self.command, self.path)
+                if fault is not None and fault.hold_s:
+                    proxy.holding.set()
+                    time.sleep(fault.hold_s)
                 if fault is not None and fault.status is None:
                     self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
+                    try:
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass  # the client is gone already (a held request whose uploader was killed)
                     return
                 if fault is not None:
                     code = {503: "SlowDown", 500: "InternalError", 403: "AccessDenied"}.get(fault.status, "Error")
@@ -77,8 +97,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", free_port()), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
@@ -90,10 +109,16 @@ class FaultProxy:
         with self.lock:
             self.faults.append(Fault(method, path_contains, times, status))
 
+    def hold(self, method: str, path_contains: str, seconds: float) -> None:
+        """Hold every matching request `seconds`, then drop its connection."""
+        with self.lock:
+            self.faults.append(Fault(method, path_contains, -1, None, seconds))
+
     def clear(self) -> None:
         with self.lock:
             self.faults.clear()
             self.spoiled = 0
+            self.holding.clear()
 
     def _take_fault(self, method: str, path: str) -> Fault | None:
         with self.lock:

@@ -2,6 +2,7 @@
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,11 @@ class Distributed:
         if use_cuda:
             torch.cuda.set_device(device)
         if enabled:
-            dist.init_process_group("nccl" if use_cuda else "gloo")
+            store = _store_of_this_attempt(world)
+            if store is None:
+                dist.init_process_group("nccl" if use_cuda else "gloo")
+            else:
+                dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world)
         return cls(rank, world, local_rank, device, enabled)
 
     def barrier(self) -> None:
@@ -63,3 +68,20 @@ class Distributed:
         if self.enabled:
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _store_of_this_attempt(world: int) -> dist.Store | None:
+    """torchrun --max-restarts: the agent's store outlives a restart of the workers and still holds the
+    previous attempt's addresses, so a restarted rank connects to a dead peer (gloo: "Connection
+    refused"; pytorch/pytorch#167288 for NCCL). The restarted attempt keys its process group apart.
+
+    One node only: on several nodes TORCHELASTIC_RESTART_COUNT counts each node's own restarts
+    (pytorch/pytorch#108158), so the nodes could not agree on the prefix; there, relaunch the job.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    one_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+    if attempt == 0 or not one_node or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                           timeout=timedelta(minutes=10))
+    return dist.PrefixStore(f"tokstream/attempt_{attempt}", client)

@@ -139,11 +139,13 @@ def default_run_local(run_dir: str) -> Path:
 
 def open_run_store(run_dir: str, run_local: str | None, check_writable: bool = True) -> RunStore:
     """The store for `run_dir` (a path or s3://bucket/prefix); S3 is checked before any work."""
-    if not is_s3(run_dir):
-        return LocalRunStore(run_dir)
-    store = S3RunStore(run_dir, Path(run_local) if run_local else default_run_local(run_dir))
-    if check_writable:
-        store.store.check_writable()
+    if is_s3(run_dir):
+        store = S3RunStore(run_dir, Path(run_local) if run_local else default_run_local(run_dir))
+        if check_writable:
+            store.store.check_writable()
+    else:
+        store = LocalRunStore(run_dir)
+    store.local.mkdir(parents=True, exist_ok=True)
     return store
 
 

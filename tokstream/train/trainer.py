@@ -20,6 +20,7 @@ from tokstream.train.batch_plan import BatchPlan
 from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
 from tokstream.train.config import TrainConfig
 from tokstream.train.distributed import Distributed
+from tokstream.train.fault_injection import crash_if_asked
 from tokstream.train.grace import budget_line, measure_write_rate, notice_line, state_bytes
 from tokstream.train.metrics import METRICS_FILE, MetricsLog, console_line
 from tokstream.train.model import GPT, peak_bf16_flops
@@ -183,6 +184,7 @@ def train(config: TrainConfig) -> bool:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         progress.step += 1
+        crash_if_asked(dist.rank, progress.step)
 
         step = progress.step
         record = {"step": step, "loss": dist.mean(loss_sum).item(), "lr": lr}
