@@ -1,14 +1,13 @@
 """Convert straight to S3 and train from S3, against a real S3 endpoint (moto's server) on 127.0.0.1."""
 
+import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +16,8 @@ from conftest import (BUCKET, ROOT, run_script, shakespeare_paragraphs, tagged_l
                       write_jsonl)
 from tokstream.object_store import S3Dataset
 from tokstream.testing.loopback_s3 import free_port
+from tokstream.testing.processes import kill_tree
+from tokstream.train.run_store import S3RunStore
 
 
 def keys(prefix: str) -> list[str]:
@@ -209,32 +210,6 @@ def s3_reference(reference) -> list[tuple]:
     return reference[:10]
 
 
-def test_train_from_s3_into_s3_preempted_then_resumed_on_a_machine_with_an_empty_disk(s3_reference, plays_on_s3,
-                                                                                      tmp_path):
-    """Dataset and run_dir in S3. Preempted, the run's checkpoint and metrics are in the store; the
-    relaunch on another machine (new data cache, no local run files) gives the same samples and losses."""
-    run_dir = f"s3://{BUCKET}/runs/plays"
-
-    def machine(name: str) -> list[str]:
-        return [f"data.local={tmp_path / name / 'cache'}", "data.cache_limit=300kb",  # under half the data: evictions
-                f"run_local={tmp_path / name / 'run'}", "max_steps=10"]
-
-    process = training.launch(2, plays_on_s3, run_dir, *machine("a"))
-    training.wait_for(lambda: len(training.metrics(tmp_path / "a" / "run")) >= 5)
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=120)
-    assert re.search(r"preempted \(signal 15\): saved checkpoint at step \d+ in [\d.]+ s, [\d.]+ s after the notice: "
-                     r"within preempt_grace_s=30", output), output[-3000:]
-    assert re.search(r"preemption: a step [\d.]+ s \+ a save in flight [\d.]+ s \+ the final save [\d.]+ s = [\d.]+ s "
-                     r"of preempt_grace_s=30", output)
-    stopped = len(training.metrics(run_dir))
-    assert {"LATEST", f"ckpt-{stopped:08d}.pt", "metrics.jsonl"} <= set(keys("runs/plays"))
-
-    output = training.train(2, plays_on_s3, run_dir, *machine("b"))
-    assert f"resumed from {run_dir}/ckpt-{stopped:08d}.pt at step {stopped}" in output
-    assert training.trained_steps(run_dir) == s3_reference
-
-
 ANOTHER_JOB = """
 import sys
 from streaming import StreamingDataset
@@ -258,7 +233,7 @@ def test_relaunch_after_a_hard_kill_clears_the_stale_shared_memory(s3_reference,
     settings = [*cache_settings(tmp_path), "max_steps=10"]
     process = training.launch(2, plays_on_s3, run_dir, *settings)
     training.wait_for(lambda: len(training.metrics(run_dir)) >= 5)  # past the step-4 checkpoint
-    training.kill_tree(process.pid)
+    kill_tree(process.pid)
     process.communicate(timeout=60)
 
     cache = str(tmp_path / "cache")
@@ -327,69 +302,70 @@ def test_a_checkpoint_whose_upload_fails_never_becomes_the_newest(proxy, tmp_pat
     assert str(unreachable.value) == "cannot read LATEST in s3://corpora/runs/faulty: SlowDown (HTTP 503)"
 
 
-# Several nodes on one machine, as a cluster has them: one torchrun agent per node, each in its own
-# IPC and mount namespaces with a private /dev/shm (streaming's shared memory) and its own disk folder (TMPDIR
-# for streaming's lock files, caches, run_local), meeting by static rendezvous on 127.0.0.1. The
-# test keeps the run in S3, as a cluster of preemptible nodes without a shared filesystem does.
+# Several nodes on one machine, as a cluster has them: one torchrun agent per node, each in its own IPC
+# and mount namespaces with private tmpfs on /dev/shm (streaming's shared memory) and /tmp (its lock
+# files, the node's data cache and run_local: the node's disk, gone with the node), meeting by static
+# rendezvous on 127.0.0.1. The run is in S3, as for a cluster of preemptible nodes without a shared
+# filesystem; the test sees what a scheduler would: the processes and the store.
 def namespaces_permitted() -> bool:
     return subprocess.run(["unshare", "--ipc", "--mount", "--propagation", "private", "true"],
                           capture_output=True).returncode == 0
 
 
-def launch_node(node: int, nodes: int, port: int, dataset: str, run_dir: str, node_disk: Path,
-                *overrides: str) -> subprocess.Popen:
+def launch_node(node: int, nodes: int, port: int, dataset: str, run_dir: str) -> subprocess.Popen:
     """One node's torchrun with one rank; the process is torchrun itself (unshare and sh exec it)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node}",
                 "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
-                str(ROOT / "train/main.py"), *training.BASE, f"data.remote={dataset}", f"run_dir={run_dir}", *overrides]
-    node_tmp = node_disk / "tmp"
-    node_tmp.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(node_tmp))
+                str(ROOT / "train/main.py"), *training.BASE, f"data.remote={dataset}", f"run_dir={run_dir}",
+                "data.local=/tmp/cache", "run_local=/tmp/run"]
+    env = {k: v for k, v in os.environ.items() if k != "TMPDIR"}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    disk = "mount -t tmpfs node-shm /dev/shm && mount -t tmpfs node-disk /tmp"
     return subprocess.Popen(["unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c",
-                             f"mount -t tmpfs node-shm /dev/shm && exec {shlex.join(torchrun)}"],
+                             f"{disk} && exec {shlex.join(torchrun)}"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.mark.skipif(not namespaces_permitted(), reason="namespaces are not permitted here (unshare --ipc --mount "
                     "failed): several nodes on one machine need root or user namespaces")
 def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_disks(reference, plays_on_s3, tmp_path):
-    """2 nodes x 1 rank, dataset and run_dir in S3, each node's disk (cache, run_local, /dev/shm)
-    discarded whenever the job ends. A notice to node 1 alone: every rank checkpoints at the same step
-    and both agents exit at once with a non-zero status a scheduler requeues on (node 0's used to wait
-    out its exit barrier). Relaunched on new disks, node 1 is then lost for good (SIGKILL) after a
-    checkpoint and the job torn down; relaunched on one new node with 2 ranks, it finishes on the
-    same samples at every step."""
+    """2 nodes x 1 rank, dataset and run_dir in S3, each node's disk (/tmp and /dev/shm) gone whenever
+    the job ends. A notice to node 1 alone: every rank checkpoints at the same step and both agents
+    exit at once with a non-zero status a scheduler requeues on (node 0's used to wait out its exit
+    barrier). Relaunched on new disks, node 1 is then lost for good (SIGKILL) right after the next
+    periodic checkpoint and the job torn down; relaunched on one new node with 2 ranks, it finishes on the same
+    samples at every step."""
     run_dir = f"s3://{BUCKET}/runs/two-nodes"
+    store = S3RunStore(run_dir, tmp_path / "reader")
 
-    def job(name: str) -> list[subprocess.Popen]:
+    def job() -> list[subprocess.Popen]:
         port = free_port()
-        disks = [tmp_path / name / f"node{node}" for node in range(2)]
-        return [launch_node(node, 2, port, plays_on_s3, run_dir, disk, f"data.local={disk / 'cache'}",
-                            f"run_local={disk / 'run'}") for node, disk in enumerate(disks)]
+        return [launch_node(node, 2, port, plays_on_s3, run_dir) for node in range(2)]
 
-    def steps_on_node0(name: str) -> int:
-        return len(training.metrics(tmp_path / name / "node0" / "run"))
+    def newest_checkpoint() -> int:
+        pointer = store.read_bytes("LATEST")
+        return json.loads(pointer)["step"] if pointer else 0
 
-    nodes = job("first")
-    training.wait_for(lambda: steps_on_node0("first") >= 3)
+    nodes = job()
+    training.wait_for(lambda: newest_checkpoint() >= 4)
     nodes[1].send_signal(signal.SIGTERM)
     outputs = [node.communicate(timeout=90)[0] for node in nodes]  # both gone, not just the signalled one
     assert all(node.returncode != 0 for node in nodes)
     assert "preempted (signal to another rank)" in outputs[0], outputs[0][-3000:]
     stopped = len(training.metrics(run_dir))
-    assert f"ckpt-{stopped:08d}.pt" in keys("runs/two-nodes")
-    shutil.rmtree(tmp_path / "first")
+    assert stopped >= 4 and newest_checkpoint() == stopped
+    periodic = (stopped // 4 + 1) * 4  # the next periodic checkpoint (checkpoint_interval=4)
+    assert periodic < training.STEPS, "the notice came too late for the rest of the test"
 
-    nodes = job("second")
-    training.wait_for(lambda: steps_on_node0("second") >= 10)  # past the step-8 checkpoint, before step 12's
+    nodes = job()
+    training.wait_for(lambda: newest_checkpoint() >= periodic)
     for node in (nodes[1], nodes[0]):  # node 1 lost; the scheduler then ends the job's other node
-        training.kill_tree(node.pid)
+        kill_tree(node.pid)
         node.communicate(timeout=60)
-    shutil.rmtree(tmp_path / "second")
 
     output = training.train(2, plays_on_s3, run_dir, f"data.local={tmp_path / 'third' / 'cache'}",
                             f"run_local={tmp_path / 'third' / 'run'}")
-    assert f"resumed from {run_dir}/ckpt-00000008.pt at step 8" in output
+    assert f"resumed from {run_dir}/ckpt-{periodic:08d}.pt at step {periodic}" in output
     steps = training.metrics(run_dir)
     assert [m["step"] for m in steps] == list(range(1, len(reference) + 1))
     for got, (step, samples, loss, lr) in zip(steps, reference):

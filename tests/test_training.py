@@ -1,14 +1,13 @@
-"""torchrun train/main.py on CPU with gloo: exact resumption after preemption, through real torchrun.
+"""torchrun train/main.py on CPU with gloo, and the helpers the other training tests launch it with.
 
-The contract: a run that is preempted (SIGTERM) or killed (SIGKILL after a periodic checkpoint)
-and relaunched with the same command consumes, step by step and rank by rank, exactly the samples
-of an uninterrupted run, with bitwise-equal losses.
+The contract: a run that is preempted (SIGTERM, SIGUSR1) or killed (SIGKILL, a crashed rank) and
+relaunched with the same command consumes, step by step and rank by rank, exactly the samples of an
+uninterrupted run, with bitwise-equal losses. The interruptions themselves, with changes of world
+size and micro-batch on relaunch: test_interruptions.py; several nodes and S3: test_s3.py.
 """
 
 import json
 import os
-import random
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,6 @@ import pytest
 from conftest import ROOT
 
 from tokstream.errors import UserError
-from tokstream.testing.processes import kill_tree, worker_pids
 from tokstream.train.metrics import read_records
 
 STEPS = 16
@@ -71,55 +69,6 @@ def test_uninterrupted_run_partitions_every_global_batch(reference, dataset):
         assert not seen & set(rank0 + rank1)
         seen |= set(rank0 + rank1)
     assert reference[-1][2] < reference[0][2]  # it learns
-
-
-def preempt(dataset: Path, run_dir: Path, after_step: int, how: str, *settings: str) -> int:
-    """Train until after_step is logged, send the notice, wait for the checkpoint; the step it holds."""
-    process = launch(2, dataset, run_dir, *settings)
-    wait_for(lambda: len(metrics(run_dir)) >= after_step)
-    if how == "SIGTERM to torchrun":
-        process.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank
-    else:
-        os.kill(worker_pids(process.pid)[-1], signal.SIGUSR1)  # e.g. Slurm --signal; the other rank follows
-    output, _ = process.communicate(timeout=120)
-    assert "preempted" in output, output[-3000:]
-    assert process.returncode != 0  # unfinished: a scheduler requeues it
-    stopped = len(metrics(run_dir))
-    assert stopped < STEPS and (run_dir / f"ckpt-{stopped:08d}.pt").exists()
-    return stopped
-
-
-def test_preempted_twice_at_random_steps_then_relaunched_resumes_exactly(reference, dataset, tmp_path):
-    """SIGTERM to torchrun, relaunch, SIGUSR1 to one rank (with deterministic=true, needed for bitwise
-    losses on GPU, which must not change a CPU run), relaunch: the samples per rank and the losses of
-    the uninterrupted run, bit for bit."""
-    stopped = preempt(dataset, tmp_path, random.Random().randint(2, STEPS // 2 - 2), "SIGTERM to torchrun")
-    stopped_again = preempt(dataset, tmp_path, random.Random().randint(stopped + 1, STEPS - 3), "SIGUSR1 to one rank",
-                            "deterministic=true")
-    resumed = train(2, dataset, tmp_path)
-    assert f"resumed from {tmp_path / f'ckpt-{stopped_again:08d}.pt'} at step {stopped_again}" in resumed
-    assert trained_steps(tmp_path) == reference
-
-
-def test_sigkill_after_a_checkpoint_then_relaunch_resumes_exactly(reference, dataset, tmp_path):
-    process = launch(2, dataset, tmp_path, "preempt_grace_s=0.01")  # a grace period no save fits in
-    wait_for(lambda: len(metrics(tmp_path)) >= 6)  # past the step-4 checkpoint, before step 8's
-    kill_tree(process.pid)  # node loss: no handler runs
-    output, _ = process.communicate(timeout=60)
-    assert "warning: a preemption notice would end in a kill: a step" in output  # said at start-up
-    newest = sorted(tmp_path.glob("ckpt-*.pt"))[-1]
-    saved_step = int(newest.stem.split("-")[1])
-    assert saved_step <= len(metrics(tmp_path)) < STEPS  # killed mid-run, with steps past the checkpoint lost
-
-    refused = launch(2, dataset, tmp_path, "optim.lr=0.001")  # a relaunch that changes the recipe: no
-    output, _ = refused.communicate(timeout=120)
-    assert refused.returncode != 0 and ("error: optim.lr changed from 0.003 to 0.001 since the checkpoint: a resumed "
-                                        "run keeps its recipe; use a new run_dir, or add resume_allow=[optim.lr]") in output
-    assert sorted(tmp_path.glob("ckpt-*.pt"))[-1] == newest
-
-    resumed = train(2, dataset, tmp_path, "data.num_workers=2")  # DataLoader workers read the same samples
-    assert f"resumed from {newest} at step {saved_step}" in resumed
-    assert trained_steps(tmp_path) == reference  # steps after the checkpoint were retrained, same samples
 
 
 def test_torchrun_max_restarts_recovers_a_crashed_rank_by_itself(reference, dataset, tmp_path):

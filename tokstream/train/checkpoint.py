@@ -135,9 +135,10 @@ class HostSnapshot:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple, torch.Tensor] = {}
+        self._taken: dict[tuple, torch.Tensor] = {}  # in one snapshot: a tensor reached twice (tied weights) is copied once
 
     def take(self, state: object) -> object:
-        self._taken: dict[tuple, torch.Tensor] = {}  # a tensor reached twice (tied weights) is copied once
+        self._taken = {}
         snapshot = self._copy(state, ())
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the device-to-host copies were queued without blocking
@@ -221,7 +222,7 @@ class Checkpointer:
         began = time.perf_counter()
         try:
             write_checkpoint(self.store, step, state, self.keep, metrics)
-        except (OSError, StoreError) as err:
+        except (OSError, RuntimeError, StoreError) as err:  # disk full, store unreachable, torch.save's writer
             if not background:
                 raise StoreError(f"checkpoint at step {step} not saved: {err}") from None
             newest = f"step {self.saved_step}" if self.saved_step is not None else "none"
