@@ -1,13 +1,18 @@
-"""Training-data throughput: the project's loader vs stock StreamingDataset vs a bare memmap get_batch.
+"""Training-data throughput: the project's loader vs stock StreamingDataset vs litData vs nanoGPT's get_batch.
 
     python bench/loader.py                  # builds a 100 M-token dataset from ../shared/corpora
     python bench/loader.py --data DIR       # an existing converted dataset (its train split)
     python bench/loader.py --remote         # also: the dataset served from S3 on 127.0.0.1, cold cache
+    pip install -e .[bench]                 # litData, the peer (measured when installed)
 
-All three read the same shards, shuffled 1,025-token uint16 samples, batch 16, one process (plus
-its DataLoader workers), and are timed over the same number of batches after the first:
-- project: tokstream/train's TokenDataset + StreamingDataLoader, as train/main.py builds them;
+All read the same 1,025-token uint16 samples, shuffled, batch 16, one process (plus its DataLoader
+workers), and are timed over the same number of batches after the first:
+- project: tokstream/train's TokenDataset + StreamingDataLoader with the settings train/main.py
+           uses (data.DataConfig's defaults);
 - stock:   streaming.StreamingDataset + StreamingDataLoader with the default collate;
+- litdata: litData's StreamingDataset + TokensLoader + its StreamingDataLoader, over the same
+           samples written by litdata.optimize, with its default shuffle (chunks in a shuffled
+           order, the samples of the chunks at hand interleaved), not streaming's global shuffle;
 - memmap:  nanoGPT's get_batch (memmap per batch, torch.randint offsets, int64 x and y) on the
            same shards' token regions.
 """
@@ -56,8 +61,47 @@ def project_loader(remote: str, local: str | None, workers: int):
     from tokstream.train.config import DataConfig
     from tokstream.train.data import make_loader
 
-    config = DataConfig(remote=remote, local=local, num_workers=workers, predownload=2048)
+    config = DataConfig(remote=remote, local=local, num_workers=workers)  # training's defaults
     return make_loader(config, "train", BATCH, shuffle=True, pin_memory=False)
+
+
+def litdata_samples(root: str):
+    """litdata.optimize's fn (module level: its workers are spawned): the split's samples, in order."""
+    from tokstream.verify import iter_split_samples
+
+    for array in iter_split_samples(Path(root), "train", []):
+        for sample in array:
+            yield torch.from_numpy(sample.astype(np.int64)).to(torch.uint16)
+
+
+def build_litdata(root: Path, out: Path) -> None:
+    """The train split's samples as litData chunks of whole 1,025-token samples."""
+    import litdata
+
+    litdata.optimize(fn=litdata_samples, inputs=[str(root)], output_dir=str(out), chunk_size=1025 * 8192,
+                     item_loader=litdata.TokensLoader(), num_workers=1, verbose=False)
+    written = litdata.StreamingDataset(str(out), item_loader=litdata.TokensLoader(block_size=1025))
+    ours = next(litdata_samples(str(root)))
+    assert torch.equal(written[0], ours), "litData's first sample differs from the dataset's"
+    print(f"litdata: {len(written):,} samples of 1,025 tokens written by litdata.optimize, the first checked equal")
+
+
+def litdata_batches(optimized: Path, workers: int):
+    import litdata
+
+    dataset = litdata.StreamingDataset(str(optimized), item_loader=litdata.TokensLoader(block_size=1025),
+                                       shuffle=True, drop_last=True)
+    for batch in litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=workers, drop_last=True):
+        yield {"tokens": batch}
+
+
+def litdata_installed() -> bool:
+    try:
+        import litdata  # noqa: F401
+    except ImportError:
+        print("litdata is not installed (pip install -e .[bench]): the peer is left out")
+        return False
+    return True
 
 
 def stock_loader(remote: str, local: str | None, workers: int):
@@ -101,10 +145,16 @@ def main() -> None:
         root = Path(args.data) if args.data else Path(tmp) / "ds"
         if not args.data:
             build_dataset(root, args.tokens)
+        peer = litdata_installed()
+        if peer:
+            build_litdata(root, Path(tmp) / "litdata")
         rates: dict[str, float] = {}
         for workers in (0, 1, 2):
             rates[f"project workers={workers}"] = timed_batches(project_loader(str(root), None, workers), args.batches)
             rates[f"stock   workers={workers}"] = timed_batches(stock_loader(str(root), None, workers), args.batches)
+            if peer:
+                rates[f"litdata workers={workers}"] = timed_batches(litdata_batches(Path(tmp) / "litdata", workers),
+                                                                    args.batches)
         rates["memmap get_batch"] = timed_batches(memmap_batches(root), args.batches)
         report("local dataset", rates)
         if args.remote:
@@ -115,11 +165,12 @@ def report(title: str, rates: dict[str, float]) -> None:
     print(f"== {title}: tokens/s, batch {BATCH} x 1025, shuffled")
     for name, rate in rates.items():
         print(f"  {name:22s} {rate / 1e6:8.2f} M")
-    best = {kind: max((r, n) for n, r in rates.items() if n.startswith(kind)) for kind in ("project", "stock")}
+    kinds = [kind for kind in ("project", "stock", "litdata") if any(n.startswith(kind) for n in rates)]
+    best = {kind: max((r, n) for n, r in rates.items() if n.startswith(kind)) for kind in kinds}
     memmap = rates.get("memmap get_batch")
-    print(f"  best project: {best['project'][1]}, best stock: {best['stock'][1]}")
-    print(f"  ratio_vs_stock={best['project'][0] / best['stock'][0]:.2f}" +
-          (f" ratio_vs_memmap={best['project'][0] / memmap:.2f}" if memmap else ""))
+    print("  best: " + ", ".join(f"{kind} {best[kind][1].split()[-1]}" for kind in kinds))
+    ratios = [f"ratio_vs_{kind}={best['project'][0] / best[kind][0]:.2f}" for kind in kinds[1:]]
+    print("  " + " ".join(ratios) + (f" ratio_vs_memmap={best['project'][0] / memmap:.2f}" if memmap else ""))
 
 
 def remote_rates(root: Path, tmp: Path, batches: int, memmap_rate: float) -> None:

@@ -178,7 +178,7 @@ class Checkpointer:
         self.metrics_path = metrics_path  # an S3 run's local metrics, uploaded with each checkpoint
         self.saved_step: int | None = None  # the step the newest complete checkpoint holds (rank 0)
         self.snapshot_step: int | None = None  # the newest step whose state was taken (every rank)
-        self.stall_s = self.write_s = 0.0  # of the last save: training paused, writing took
+        self.write_s = 0.0  # how long the last save took to write
         self._in_flight: threading.Thread | None = None
         self._snapshot = HostSnapshot()
         if dist.master:
@@ -193,7 +193,6 @@ class Checkpointer:
 
     def save(self, step: int, background: bool = False) -> None:
         """Collective (RNG states are gathered from every rank); a step already saved is not saved again."""
-        started = time.perf_counter()
         if not background:
             self.wait()
             done = self.dist.gather(self.saved_step)[0] == step  # rank 0 knows whether it was written
@@ -216,7 +215,6 @@ class Checkpointer:
                 self._write(step, state, metrics, False)
         if not background:
             self.dist.barrier()  # no rank exits (ending the job) before rank 0 has written
-        self.stall_s = time.perf_counter() - started
 
     def _write(self, step: int, state: dict, metrics: bytes | None, background: bool) -> None:
         began = time.perf_counter()

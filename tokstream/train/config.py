@@ -23,7 +23,7 @@ class DataConfig:
     num_canonical_nodes: int = 1
     num_workers: int = 0  # bench/loader.py: in-process reading beat 1 or 2 DataLoader workers
     prefetch_factor: int | None = None
-    predownload: int | None = None  # samples each worker prepares ahead; None: streaming's 8 x batch
+    predownload: int | None = None  # samples each worker prepares ahead; None: data.predownload()
     cache_limit: str | None = None  # bound on the local cache of a remote dataset, e.g. "10gb"
     validate_hash: str | None = "xxh64"  # check each downloaded shard against the index
     download_retry: int = 4
