@@ -21,7 +21,7 @@ class DataConfig:
     # Fixed, not derived from the cluster: the global sample order depends on it, so keeping it
     # constant is what lets a run resume on a different number of nodes and ranks.
     num_canonical_nodes: int = 1
-    num_workers: int = 0  # bench/loader.py: in-process reading beat 1 or 2 DataLoader workers
+    num_workers: int = 0  # in-process reading is far ahead of a GPU's needs; workers add to it (bench/loader.py)
     prefetch_factor: int | None = None
     predownload: int | None = None  # samples each worker prepares ahead; None: data.predownload()
     cache_limit: str | None = None  # bound on the local cache of a remote dataset, e.g. "10gb"

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from streaming import StreamingDataLoader
+from torch.utils.data import get_worker_info
 
 from tokstream.errors import UserError
 from tokstream.format import METADATA_FILE, DatasetMetadata, check_compatible, read_metadata, stored_file
@@ -182,12 +183,31 @@ def _epoch_after_epoch(loader: StreamingDataLoader) -> Iterator[dict[str, torch.
         yield from loader
 
 
-def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
-    """Stack into one tensor, still in the dataset's dtype: widened on the device, not here."""
-    return {
-        "tokens": torch.from_numpy(np.stack([s["tokens"] for s in samples])),
-        "ids": torch.tensor([s["id"] for s in samples], dtype=torch.int64),
-    }
+def collate(samples: list[dict]) -> dict:
+    """Stack into one array, still in the dataset's dtype: widened on the device, not here.
+
+    In a DataLoader worker the batch stays numpy, and so crosses to the rank by value, in one pickle
+    (TokenLoader makes it tensors there). A tensor would cross as a new shared-memory file plus a
+    file descriptor sent per tensor: for these batches of a few tens of kB, 4x slower (bench/loader.py).
+    """
+    tokens = np.stack([s["tokens"] for s in samples])
+    ids = np.array([s["id"] for s in samples], dtype=np.int64)
+    if get_worker_info() is not None:
+        return {"tokens": tokens, "ids": ids}
+    return {"tokens": torch.from_numpy(tokens), "ids": torch.from_numpy(ids)}
+
+
+class TokenLoader(StreamingDataLoader):
+    """StreamingDataLoader whose batches from workers, numpy arrays (see collate), become tensors
+    in the rank: pinned when pin_memory is set, as the DataLoader pins tensors it is given."""
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for batch in super().__iter__():
+            if isinstance(batch["tokens"], np.ndarray):
+                batch = {key: torch.from_numpy(value) for key, value in batch.items()}
+                if self.pin_memory:
+                    batch = {key: value.pin_memory() for key, value in batch.items()}
+            yield batch
 
 
 def _ignore_preemption_signals(worker_id: int) -> None:
@@ -211,7 +231,7 @@ def predownload(config: DataConfig, batch_size: int) -> int:
 
 
 def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, pin_memory: bool,
-                num_workers: int | None = None, epoch_size: int | None = None) -> StreamingDataLoader:
+                num_workers: int | None = None, epoch_size: int | None = None) -> TokenLoader:
     # A remote (or a local dataset with a separate local cache) is downloaded/copied by streaming.
     remote = config.remote if is_remote(config.remote) or config.local else None
     try:
@@ -227,7 +247,7 @@ def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, 
     except ValueError as err:  # streaming's word on a bad setting, e.g. a cache_limit below 4 shards
         raise UserError(f"data ({split}): {err}") from None
     workers = config.num_workers if num_workers is None else num_workers
-    return StreamingDataLoader(
+    return TokenLoader(
         dataset, batch_size=batch_size, collate_fn=collate, num_workers=workers, pin_memory=pin_memory,
         drop_last=True, prefetch_factor=config.prefetch_factor if workers else None,
         persistent_workers=False, worker_init_fn=_ignore_preemption_signals,
