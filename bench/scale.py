@@ -1,0 +1,129 @@
+"""The reader at OpenWebText scale: first batch, memory per rank, shared memory per node, the checker's time.
+
+    python bench/scale.py                                   # 9.04 B tokens, 1 and 8 ranks (17 GB of disk)
+    python bench/scale.py --million-tokens 1000 --ranks 1 2 # smaller
+
+The dataset is OpenWebText's size (8.82 M samples of 1,025 tokens, 271 shards of 64 MB), converted
+by bin_to_mds.py from a sparse .bin, which costs disk but no time to generate (its tokens are all 0,
+which the reader does not care about). For each rank count, that many processes start together with
+torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) and build the training
+loader as train/main.py does (tokstream/train/data.py, micro-batch 12, the whole split as one epoch),
+fresh or resumed at 10%, 50% and 90% of the epoch (streaming's state, as a checkpoint holds it).
+
+Each rank reports: seconds from its start to the end of its imports, from there to the first batch,
+and its peak RSS, after imports and after the first batch (the dataset's share is the difference).
+The node's shared memory is what /dev/shm holds for the job while every rank has its first batch.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a clone without installing
+
+OWT_SAMPLES = 8_820_000
+BLOCK = 1024
+MICRO_BATCH = 12
+
+RANK_SCRIPT = r"""
+import json, os, resource, sys, time
+started = time.monotonic()
+from tokstream.train.config import DataConfig
+from tokstream.train.data import make_loader
+imported = time.monotonic()
+rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+root, samples, position = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+loader = make_loader(DataConfig(remote=root), "train", int(sys.argv[4]), shuffle=True, pin_memory=False,
+                     epoch_size=samples)
+if position:
+    loader.load_state_dict({"epoch": 0, "sample_in_epoch": int(samples * position), "num_canonical_nodes": 1,
+                            "shuffle_seed": 9176, "initial_physical_nodes": 1})
+next(iter(loader))
+first = time.monotonic()
+print(json.dumps({"imports_s": imported - started, "first_batch_s": first - imported, "rss_imports_mb":
+                  rss_imports / 1024, "rss_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}),
+      flush=True)
+sys.stdin.readline()  # hold the shared memory until the parent has measured it
+"""
+
+
+def build(workdir: Path, million_tokens: int) -> tuple[Path, float]:
+    """A sparse .bin converted to MDS; the conversion's seconds."""
+    source = workdir / "owt.bin"
+    with open(source, "wb") as out:
+        out.truncate(million_tokens * 1_000_000 * 2)
+    started = time.perf_counter()
+    subprocess.run([sys.executable, str(ROOT / "convert/bin_to_mds.py"), str(source), "--out", str(workdir / "ds"),
+                    "--block-size", str(BLOCK), "--no-progress"], check=True,
+                   stdout=subprocess.DEVNULL)
+    seconds = time.perf_counter() - started
+    source.unlink()
+    return workdir / "ds", seconds
+
+
+def shm_bytes() -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in Path("/dev/shm").iterdir() if p.is_file()}
+
+
+def run_ranks(root: Path, samples: int, ranks: int, position: float) -> tuple[list[dict], int]:
+    """Start `ranks` processes together; their reports and the shared memory they added."""
+    from tokstream.testing.loopback_s3 import free_port
+
+    before = shm_bytes()
+    processes = []
+    port = str(free_port())  # streaming joins the ranks in a process group, as under torchrun
+    for rank in range(ranks):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(ROOT))
+        processes.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(root), str(samples),
+                                           str(position), str(MICRO_BATCH)], env=env, stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True))
+    reports = [json.loads(process.stdout.readline()) for process in processes]
+    added = sum(size for name, size in shm_bytes().items() if name not in before)
+    for process in processes:
+        process.communicate("done\n", timeout=120)
+    return reports, added
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--million-tokens", type=int, default=OWT_SAMPLES * BLOCK // 1_000_000 + 1)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--workdir", default=None, help="where the dataset is built (default: beside the clone)")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(dir=args.workdir or ROOT.parent) as workdir:
+        root, convert_s = build(Path(workdir), args.million_tokens)
+        samples = json.loads((root / "metadata.json").read_text())["splits"]["train"]["samples"]
+        print(f"dataset: {samples:,} samples of {BLOCK + 1} tokens, {len(list((root / 'train').glob('shard.*')))} "
+              f"shards, bin_to_mds.py {convert_s:.1f} s", flush=True)
+        started = time.perf_counter()
+        subprocess.run([sys.executable, str(ROOT / "convert/verify.py"), str(root)], check=True,
+                       stdout=subprocess.DEVNULL)
+        print(f"verify.py: {time.perf_counter() - started:.1f} s", flush=True)
+        print(f"\n{'ranks':>5} {'start':>6} {'imports_s':>9} {'first_batch_s':>13} {'rss_imports_mb':>14} "
+              f"{'rss_peak_mb':>11} {'dataset_mb':>10} {'shm_node_kb':>11}")
+        for ranks in args.ranks:
+            for position in (0.0, 0.1, 0.5, 0.9):
+                reports, shm = run_ranks(root, samples, ranks, position)
+                worst = max(reports, key=lambda r: r["first_batch_s"])
+                fattest = max(reports, key=lambda r: r["rss_peak_mb"] - r["rss_imports_mb"])
+                where = "fresh" if not position else f"{position:.0%}"
+                print(f"{ranks:>5} {where:>6} {max(r['imports_s'] for r in reports):9.2f} "
+                      f"{worst['first_batch_s']:13.2f} {fattest['rss_imports_mb']:14.0f} {fattest['rss_peak_mb']:11.0f} "
+                      f"{fattest['rss_peak_mb'] - fattest['rss_imports_mb']:10.0f} {shm / 1024:11.1f}", flush=True)
+    print("\nworst rank shown; goals: first_batch_s < 1, dataset_mb <= 300 per rank")
+
+
+if __name__ == "__main__":
+    from tokstream.testing.lock_files import removing_new_lock_files
+
+    with removing_new_lock_files():
+        main()
