@@ -16,7 +16,6 @@ reference's and to float rounding after (the reduction order changes). The seed 
 TOKSTREAM_INTERRUPTION_SEED=N repeats a schedule.
 """
 
-import json
 import os
 import random
 import re
@@ -30,6 +29,7 @@ from test_training import BASE, launch, metrics, tiny_splits, train, wait_for
 from tokstream.errors import UserError
 from tokstream.object_store import S3Dataset
 from tokstream.testing.processes import kill_tree, worker_pids
+from tokstream.train.checkpoint import latest_step
 from tokstream.train.run_store import S3RunStore
 
 EPOCH_STEPS = 5  # 44 samples at 8 per step: epochs of 40
@@ -72,8 +72,7 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
     store = S3RunStore(run_dir, tmp_path / "reader")
 
     def latest() -> int:
-        pointer = store.read_bytes("LATEST")
-        return json.loads(pointer)["step"] if pointer else 0
+        return latest_step(store) or 0
 
     resume, ranks, bitwise_until, schedule = 0, 2, 0, []
     for number, kind in enumerate(rng.sample(KINDS, len(KINDS))):

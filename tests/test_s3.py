@@ -1,6 +1,5 @@
 """Convert straight to S3 and train from S3, against a real S3 endpoint (moto's server) on 127.0.0.1."""
 
-import json
 import os
 import re
 import shlex
@@ -17,6 +16,7 @@ from conftest import (BUCKET, ROOT, run_script, shakespeare_paragraphs, tagged_l
 from tokstream.object_store import S3Dataset
 from tokstream.testing.loopback_s3 import free_port
 from tokstream.testing.processes import kill_tree
+from tokstream.train.checkpoint import latest_step
 from tokstream.train.run_store import S3RunStore
 
 
@@ -343,8 +343,7 @@ def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_dis
         return [launch_node(node, 2, port, plays_on_s3, run_dir) for node in range(2)]
 
     def newest_checkpoint() -> int:
-        pointer = store.read_bytes("LATEST")
-        return json.loads(pointer)["step"] if pointer else 0
+        return latest_step(store) or 0
 
     nodes = job()
     training.wait_for(lambda: newest_checkpoint() >= 4)

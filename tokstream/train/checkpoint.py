@@ -30,7 +30,8 @@ def checkpoint_name(step: int) -> str:
     return f"ckpt-{step:08d}.pt"
 
 
-def _pointer_step(store: RunStore) -> int | None:
+def latest_step(store: RunStore) -> int | None:
+    """The step LATEST names (the newest complete checkpoint), None before the first save."""
     data = store.read_bytes(POINTER)
     if data is None:
         return None
@@ -41,14 +42,18 @@ def _pointer_step(store: RunStore) -> int | None:
                         "remove it and the run resumes from the newest checkpoint that loads") from None
 
 
+def _steps(names: list[str]) -> list[int]:
+    return sorted(int(m.group(1)) for m in map(CHECKPOINT_NAME.match, names) if m)
+
+
 def checkpoints(store: RunStore) -> tuple[list[str], list[str]]:
     """(complete checkpoints oldest first, unpublished ones: newer than LATEST, from a cut-off save).
 
     Without LATEST, a local run directory's checkpoints all count (renamed into place whole, by a
     release before the pointer); in S3 none does (its first save never got as far as the pointer).
     """
-    steps = sorted(int(m.group(1)) for m in map(CHECKPOINT_NAME.match, store.names()) if m)
-    newest = _pointer_step(store)
+    steps = _steps(store.names())
+    newest = latest_step(store)
     if newest is None:
         newest = steps[-1] if steps and isinstance(store, LocalRunStore) else -1
     return ([checkpoint_name(s) for s in steps if s <= newest], [checkpoint_name(s) for s in steps if s > newest])
@@ -69,7 +74,7 @@ def write_checkpoint(store: RunStore, step: int, state: dict, keep: int, metrics
         store.publish_bytes(POINTER, json.dumps({"checkpoint": name, "step": step}).encode())
     finally:
         staged.unlink(missing_ok=True)
-    complete, _ = checkpoints(store)
+    complete = [checkpoint_name(s) for s in _steps(store.names()) if s <= step]  # LATEST names `step` now
     if keep > 0 and len(complete) > keep:
         store.remove(complete[:-keep])
 

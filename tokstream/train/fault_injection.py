@@ -5,13 +5,11 @@ nothing happens."""
 import os
 
 CRASH_STATUS = 13
+_WANTED = os.environ.get("TOKSTREAM_CRASH_AT") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else None
+_CRASH_AT = tuple(int(part) for part in _WANTED.split(":")) if _WANTED else None  # (rank, step), read once
 
 
 def crash_if_asked(rank: int, step: int) -> None:
-    wanted = os.environ.get("TOKSTREAM_CRASH_AT")
-    if not wanted or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    crash_rank, crash_step = (int(part) for part in wanted.split(":"))
-    if (rank, step) == (crash_rank, crash_step):
+    if (rank, step) == _CRASH_AT:
         print(f"rank {rank}: crashing after step {step} (TOKSTREAM_CRASH_AT)", flush=True)
         os._exit(CRASH_STATUS)  # no cleanup, no checkpoint: as a segfault or a failed device would

@@ -95,13 +95,8 @@ class S3RunStore:
             raise self._fail(f"read {name} in", err) from None
 
     def local_copy(self, name: str) -> Path:
-        destination = self.local / f"download-{os.getpid()}" / name  # ranks of a node download side by side
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self.store.client.download_file(self.store.bucket, self.store.key(name), str(destination))
-        except Exception as err:
-            raise self._fail(f"download {name} from", err) from None
-        return destination
+        # Ranks of a node download side by side, each to its own folder.
+        return self.store.download(name, self.local / f"download-{os.getpid()}" / name)
 
     def release_copy(self, path: Path) -> None:
         path.unlink(missing_ok=True)
@@ -110,7 +105,7 @@ class S3RunStore:
     def publish(self, staged: Path, name: str) -> None:
         """Upload a finished local file as `name` (visible only once whole), then drop the local copy."""
         try:
-            self.store.client.upload_file(str(staged), self.store.bucket, self.store.key(name))
+            self.store.upload(staged, name)
         except Exception as err:
             raise self._fail(f"upload {name} to", err) from None
         staged.unlink(missing_ok=True)
