@@ -1,7 +1,11 @@
-"""A random interruption schedule against an uninterrupted run, through real torchrun.
+"""A random interruption schedule against an uninterrupted run, through real torchrun, on a mixture.
 
-A run of 16 steps over a 44-sample split (epochs of 5 steps: 3 epoch ends, a checkpoint at each) is
-interrupted five ways, in random order at random steps: SIGTERM to torchrun, SIGUSR1 to one rank,
+The data is a mixture of two sources (mixture.py), the general case of which a single dataset is
+the one-source instance: "web", 20 samples at repeat 1.5, and "books", 30 samples of which 14 are
+chosen per epoch. That is 44 samples an epoch, cut to 40 whole steps: web 27 (one full pass plus a
+different 7 each epoch), books 13 (a different 13 each epoch), the per-epoch resampling where
+streaming has had resumption bugs. A run of 16 steps (epochs of 5 steps: 3 epoch ends, a checkpoint
+at each) is interrupted five ways, in random order at random steps: SIGTERM to torchrun, SIGUSR1 to one rank,
 SIGTERM during an evaluation, SIGKILL right after an epoch-end checkpoint, SIGKILL while a
 checkpoint is being uploaded. The first two launches keep the uninterrupted run's settings (2 ranks
 x 4 samples; the second with DataLoader workers and deterministic=true, the GPU setting, which must
@@ -11,7 +15,7 @@ can hold an upload for the kill), and every launch starts with an empty data cac
 as on a new machine.
 
 Per step, the interrupted run must consume the uninterrupted run's samples (per rank while on 2
-ranks), with its learning rate exactly, and its loss bitwise while the settings are the
+ranks) and count the same samples per source, with its learning rate exactly, and its loss bitwise while the settings are the
 reference's and to float rounding after (the reduction order changes). The seed is printed;
 TOKSTREAM_INTERRUPTION_SEED=N repeats a schedule.
 """
@@ -21,6 +25,8 @@ import random
 import re
 import signal
 import time
+
+from pathlib import Path
 
 import pytest
 from conftest import BUCKET, ROOT
@@ -33,6 +39,8 @@ from tokstream.train.checkpoint import latest_step
 from tokstream.train.run_store import S3RunStore
 
 EPOCH_STEPS = 5  # 44 samples at 8 per step: epochs of 40
+SOURCES = (("web", 20, "repeat: 1.5"), ("books", 30, "choose: 14"))  # name, train samples, weight
+PER_EPOCH = {"web": 27, "books": 13}  # 30 + 14 cut to 40, by largest remainder
 MICRO_BATCHES = {2: (1, 2, 4), 1: (2, 4, 8)}  # ranks -> micro-batch sizes that divide the global batch of 8
 KINDS = ("SIGTERM to torchrun", "SIGUSR1 to one rank", "SIGTERM during evaluation",
          "SIGKILL after an epoch-end checkpoint", "SIGKILL during a checkpoint upload")
@@ -50,24 +58,39 @@ def upload(root, url: str) -> str:
     return url
 
 
-def launch_settings(number: int, ranks: int, rng: random.Random, machine) -> list[str]:
-    """A relaunch's settings: the reference's for the first two, then a random micro-batch; always a new machine."""
-    settings = [*COMMON, f"data.local={machine / 'cache'}", f"run_local={machine / 'run'}"]
+def mixture(roots: dict[str, str]) -> list[str]:
+    """The overrides that train on SOURCES, read from `roots` (name -> dataset root)."""
+    streams = ", ".join(f"{{remote: '{roots[name]}', name: {name}, {weight}}}" for name, _, weight in SOURCES)
+    return [f"data.streams=[{streams}]"]
+
+
+def launch_settings(number: int, ranks: int, rng: random.Random) -> list[str]:
+    """A relaunch's settings: the reference's for the first two, then a random micro-batch."""
     if number == 0:
-        return settings + ["micro_batch_size=4"]
+        return ["micro_batch_size=4"]
     if number == 1:
-        return settings + ["micro_batch_size=4", "data.num_workers=2", "deterministic=true"]
-    return settings + [f"micro_batch_size={rng.choice(MICRO_BATCHES[ranks])}"]
+        return ["micro_batch_size=4", "data.num_workers=2", "deterministic=true"]
+    return [f"micro_batch_size={rng.choice(MICRO_BATCHES[ranks])}"]
+
+
+def new_machine(machine) -> list[str]:
+    """An empty data cache (each source's under it: data.local/<name>) and run_local."""
+    return [f"data.local={machine / 'cache'}", f"run_local={machine / 'run'}"]
 
 
 def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
     seed = int(os.environ.get("TOKSTREAM_INTERRUPTION_SEED", random.randrange(1_000_000)))
     print(f"interruption schedule: TOKSTREAM_INTERRUPTION_SEED={seed}")
     rng = random.Random(seed)
-    local_data = tiny_splits(tmp_path, 44, 2000)
-    train(2, local_data, tmp_path / "reference", *COMMON)
+    local_roots = {}
+    for index, (name, samples, _) in enumerate(SOURCES):
+        (tmp_path / name).mkdir()
+        local_roots[name] = str(tiny_splits(tmp_path / name, samples, 1000, seed=index + 1))
+    train(2, None, tmp_path / "reference", *mixture(local_roots), *COMMON, "eval_interval=8")
     reference = metrics(tmp_path / "reference")
-    data = upload(local_data, f"s3://{BUCKET}/interruptions-{seed}")
+    check_the_mixture(reference)
+    data = mixture({name: upload(Path(root), f"s3://{BUCKET}/interruptions-{seed}/{name}")
+                    for name, root in local_roots.items()})
     run_dir = f"s3://{BUCKET}/runs/interrupted-{seed}"
     store = S3RunStore(run_dir, tmp_path / "reader")
 
@@ -77,7 +100,7 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
     resume, ranks, bitwise_until, schedule = 0, 2, 0, []
     for number, kind in enumerate(rng.sample(KINDS, len(KINDS))):
         machine = tmp_path / f"machine{number}"
-        settings = launch_settings(number, ranks, rng, machine)
+        settings = launch_settings(number, ranks, rng)
         at = {"SIGTERM during evaluation": resume + 2, "SIGKILL after an epoch-end checkpoint": next_epoch_end(resume),
               "SIGKILL during a checkpoint upload": next_epoch_end(resume)}.get(kind, resume + rng.randint(1, 2))
         if kind == "SIGTERM during evaluation":
@@ -85,7 +108,7 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
                          "preempt_grace_s=0.01"]  # and a grace period no save fits in
         if kind == "SIGKILL during a checkpoint upload":
             proxy.hold("PUT", f"/ckpt-{at:08d}.pt", seconds=120)
-        process = launch(ranks, data, run_dir, *settings)
+        process = launch(ranks, None, run_dir, *data, *COMMON, *new_machine(machine), *settings)
         if kind == "SIGKILL after an epoch-end checkpoint":
             wait_for(lambda: latest() >= at)
             kill_tree(process.pid)
@@ -104,7 +127,7 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
         output, _ = process.communicate(timeout=120)
         proxy.clear()
         stopped = latest()
-        schedule.append(f"{ranks} rank(s), {' '.join(settings[4:])}: {kind} at step {at} -> resumes at {stopped}")
+        schedule.append(f"{ranks} rank(s), {' '.join(settings)}: {kind} at step {at} -> resumes at {stopped}")
         where = f"seed {seed}, {schedule[-1]}\n" + output[-3000:]
         assert process.returncode != 0, where  # unfinished, whichever way: a scheduler requeues it
         if kind in ("SIGTERM to torchrun", "SIGUSR1 to one rank"):
@@ -125,8 +148,7 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
     refused_recipe(run_dir, data, tmp_path)
     micro = rng.choice(MICRO_BATCHES[ranks])
     schedule.append(f"{ranks} rank(s), micro_batch_size={micro}: to the end")
-    output = train(ranks, data, run_dir, *COMMON, f"micro_batch_size={micro}", f"data.local={tmp_path / 'last'}",
-                   f"run_local={tmp_path / 'last-run'}")
+    output = train(ranks, None, run_dir, *data, *COMMON, f"micro_batch_size={micro}", *new_machine(tmp_path / "last"))
     assert f"resumed from {run_dir}/ckpt-{resume:08d}.pt" in output
 
     interrupted = metrics(run_dir)  # the copy uploaded with the final checkpoint
@@ -135,6 +157,7 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
     for got, want in zip(interrupted, reference):
         where = f"seed {seed}, step {got['step']}:\n" + "\n".join(schedule)
         assert sorted(sum(got["samples"], [])) == sorted(sum(want["samples"], [])), where
+        assert got["samples_per_source"] == want["samples_per_source"], where
         if len(got["samples"]) == 2:
             assert got["samples"] == want["samples"], where
         assert got["lr"] == want["lr"], where
@@ -144,18 +167,42 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), where
 
 
-def refused_recipe(run_dir: str, data: str, tmp_path) -> None:
-    """A relaunch that changes the recipe is refused before anything is built (what train/main.py runs
-    first; that such errors reach the console as one line through torchrun: test_training.py)."""
+def refused_recipe(run_dir: str, data: list[str], tmp_path) -> None:
+    """A relaunch that changes the recipe or the mixture is refused before anything is built (what
+    train/main.py runs first; that such errors reach the console as one line through torchrun:
+    test_training.py)."""
     from tokstream.train.config import load_config
     from tokstream.train.trainer import setup
 
     store = S3RunStore(run_dir, tmp_path / "reader")
     before = store.names()
-    config = load_config(str(ROOT / BASE[0]), [*BASE[1:], *COMMON, f"data.remote={data}", f"run_dir={run_dir}",
-                                               f"data.local={tmp_path / 'refused'}", "optim.lr=0.001"])
-    with pytest.raises(UserError, match=re.escape("optim.lr changed from 0.003 to 0.001 since the checkpoint: a "
-                                                  "resumed run keeps its recipe; use a new run_dir, or add "
-                                                  "resume_allow=[optim.lr]")):
-        setup(config)
+    changes = {
+        "optim.lr=0.001": "optim.lr changed from 0.003 to 0.001 since the checkpoint: a resumed run keeps its "
+                          "recipe; use a new run_dir, or add resume_allow=[optim.lr]",
+        "data.streams.1.choose=20": "data.streams.1.choose changed from 14 to 20 since the checkpoint: the mixture, "
+                                    "and so the sample order, would change; keep it, or use a new run_dir",
+        f"data.streams.2={{remote: {tmp_path / 'web' / 'ds'}, name: more}}":
+            "data.streams: the checkpoint's run read a mixture of 2, this launch a mixture of 3: the mixture, and "
+            "so the sample order, would change; keep it, or use a new run_dir",
+    }
+    for change, refusal in changes.items():
+        config = load_config(str(ROOT / BASE[0]), [*BASE[1:], *data, *COMMON, "data.remote=", f"run_dir={run_dir}",
+                                                   f"data.local={tmp_path / 'refused'}", change])
+        with pytest.raises(UserError, match=re.escape(refusal)):
+            setup(config)
     assert store.names() == before
+
+
+def check_the_mixture(reference: list[dict]) -> None:
+    """The uninterrupted run drew each source's share of every epoch, exactly, and evaluated each source."""
+    for start in range(0, len(reference) - EPOCH_STEPS + 1, EPOCH_STEPS):
+        epoch = reference[start:start + EPOCH_STEPS]
+        drawn = {name: sum(m["samples_per_source"][name] for m in epoch) for name in PER_EPOCH}
+        assert drawn == PER_EPOCH, f"epoch {start // EPOCH_STEPS}"
+    evaluated = [m for m in reference if "val_loss" in m]
+    assert [m["step"] for m in evaluated] == [8, 16]
+    for m in evaluated:
+        per_source = m["val_loss_per_source"]
+        assert sorted(per_source) == ["books", "web"] and per_source["web"] != per_source["books"]
+        weighted = (27 * per_source["web"] + 13 * per_source["books"]) / 40
+        assert m["val_loss"] == pytest.approx(weighted, rel=1e-12)

@@ -24,10 +24,12 @@ BASE = ["configs/tiny.yaml", f"max_steps={STEPS}", f"optim.decay_steps={STEPS}",
         "trace_samples=true", "log_interval=100"]
 
 
-def launch(nproc: int, dataset: Path, run_dir: Path, *overrides: str, torchrun: tuple = (),
+def launch(nproc: int, dataset: Path | str | None, run_dir: Path, *overrides: str, torchrun: tuple = (),
            env: dict | None = None) -> subprocess.Popen:
+    """torchrun train/main.py on BASE; dataset None: the overrides give a mixture (data.streams) instead."""
+    data = ["data.remote="] if dataset is None else [f"data.remote={dataset}"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun,
-               str(ROOT / "train/main.py"), *BASE, f"data.remote={dataset}", f"run_dir={run_dir}", *overrides]
+               str(ROOT / "train/main.py"), *BASE, *data, f"run_dir={run_dir}", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -123,8 +125,8 @@ def test_start_removes_only_unmapped_blocks_of_its_own_dataset(dataset, tmp_path
             path.unlink(missing_ok=True)
 
 
-def tiny_splits(root: Path, train_samples: int, val_samples: int) -> Path:
-    """A dataset with exactly these sample counts (block 64), from token files."""
+def tiny_splits(root: Path, train_samples: int, val_samples: int, seed: int = 0) -> Path:
+    """A dataset with exactly these sample counts (block 64), from token files; another seed, other tokens."""
     import numpy as np
 
     from tokstream.options import ConversionOptions
@@ -134,7 +136,7 @@ def tiny_splits(root: Path, train_samples: int, val_samples: int) -> Path:
     files = {}
     for split, samples in (("train", train_samples), ("val", val_samples)):
         path = root / f"{split}.bin"
-        (np.arange(samples * 64 + 1) * 7919 % 50256).astype("<u2").tofile(path)
+        ((np.arange(samples * 64 + 1) * 7919 + seed * 104729) % 50256).astype("<u2").tofile(path)
         files[split] = [open_token_file(path)]
     convert_token_files(files, str(root / "ds"), "gpt2", 50257, 50256, ConversionOptions(block_size=64, progress=False))
     return root / "ds"
@@ -160,7 +162,8 @@ def test_a_dataset_that_does_not_fit_the_run_is_refused_in_one_line(dataset, tmp
     assert "the train split has 5 samples, fewer than one step's global_batch_size 8" in refusal(
         lambda: train_epoch_samples(small, "train", BatchPlan(8, 4, 2), 1))
     # 3 val samples cannot give each of 2 ranks a batch of 4: evaluation is turned off, not reported as 0
-    assert not val_split_holds_a_batch(small, "val", 2, 4) and val_split_holds_a_batch(small, "val", 1, 3)
+    assert small.samples("val") == [3]
+    assert not val_split_holds_a_batch(3, 2, 4) and val_split_holds_a_batch(3, 1, 3)
 
 
 def test_an_epoch_is_whole_steps_that_divide_over_the_canonical_nodes():

@@ -1,4 +1,5 @@
-"""Plot loss curves from one or more runs' metrics.jsonl to a PNG.
+"""Plot loss curves from one or more runs' metrics.jsonl to a PNG: training loss, validation loss,
+and for a mixture each source's validation loss.
 
     python train/plot.py runs/gpt2-124m-owt --out loss.png
     python train/plot.py runs/a runs/b --out compare.png
@@ -25,7 +26,8 @@ def read_metrics(run_dir: str) -> list[dict]:
     return read_records(run_dir)
 
 
-def plot_runs(run_dirs: list[str], out: str) -> None:
+def plot_runs(run_dirs: list[str], out: str) -> list[str]:
+    """Write the PNG; returns the curves' labels, in drawing order."""
     figure, axis = plt.subplots(figsize=(8, 5))
     for run_dir in run_dirs:
         records = read_metrics(run_dir)
@@ -34,12 +36,18 @@ def plot_runs(run_dirs: list[str], out: str) -> None:
         val = [r for r in records if "val_loss" in r]
         if val:
             axis.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label=f"{name} val", ms=3)
+        sources = sorted({source for r in val for source in r.get("val_loss_per_source", {})})
+        for source in sources:
+            points = [(r["step"], r["val_loss_per_source"][source]) for r in val
+                      if source in r.get("val_loss_per_source", {})]
+            axis.plot(*zip(*points), "s--", label=f"{name} val {source}", ms=3, lw=1)
     axis.set_xlabel("optimizer step")
     axis.set_ylabel("cross-entropy loss (nats)")
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()
     figure.savefig(out, dpi=120)
+    return [line.get_label() for line in axis.get_lines()]
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Training configuration: typed dataclasses loaded from YAML, with dotted key=value overrides."""
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,8 +11,23 @@ from tokstream.errors import UserError
 
 
 @dataclass
+class StreamConfig:
+    """One source of a mixture (data.streams): a converted dataset and its weight, streaming's Stream."""
+
+    remote: str = ""  # dataset root: local path or s3://...
+    local: str | None = None  # its own cache when remote; default: data.local/<name>
+    name: str | None = None  # label in metrics; default: the remote's last path component
+    # At most one weight, the same kind for every source. proportion: the share of each epoch, whose
+    # size is all sources' samples together. repeat (x its samples) or choose (samples): per epoch.
+    # None everywhere: every sample once. The epoch is cut to whole steps (mixture.py).
+    proportion: float | None = None
+    repeat: float | None = None
+    choose: int | None = None
+
+
+@dataclass
 class DataConfig:
-    remote: str = ""  # dataset root written by a converter: local path or s3://...
+    remote: str = ""  # dataset root written by a converter: local path or s3://...; or data.streams
     local: str | None = None  # local cache for a remote; defaults to remote when that is a path
     split: str = "train"
     val_split: str = "val"
@@ -24,10 +40,11 @@ class DataConfig:
     num_workers: int = 0  # in-process reading is far ahead of a GPU's needs; workers add to it (bench/loader.py)
     prefetch_factor: int | None = None
     predownload: int | None = None  # samples each worker prepares ahead; None: data.predownload()
-    cache_limit: str | None = None  # bound on the local cache of a remote dataset, e.g. "10gb"
+    cache_limit: str | int | None = None  # bound on the local cache of a remote dataset, e.g. "10gb"
     validate_hash: str | None = "xxh64"  # check each downloaded shard against the index
     download_retry: int = 4
     clean_stale_shared_memory: bool = True
+    streams: list[StreamConfig] = field(default_factory=list)  # a mixture, instead of data.remote
 
 
 @dataclass
@@ -90,32 +107,75 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def _apply(target: object, key: str, value: object, where: str) -> None:
+def _apply(target: object, key: str, value: object, where: str, prefix: str = "") -> None:
+    """Set `key` (dotted, relative to `target`, whose own path is `prefix`) to `value`."""
     head, _, rest = key.partition(".")
     names = {f.name: f for f in dataclasses.fields(target)}
+    full = prefix + key
     if head not in names:
-        raise UserError(f"{where}: unknown config key {key!r}; valid here: {', '.join(names)}")
+        raise UserError(f"{where}: unknown config key {full!r}; valid here: {', '.join(names)}")
     current = getattr(target, head)
+    item_types = typing.get_args(names[head].type) if isinstance(current, list) else ()
+    if item_types and dataclasses.is_dataclass(item_types[0]):
+        return _apply_to_list(current, item_types[0], f"{prefix}{head}", rest, value, where)
     if dataclasses.is_dataclass(current):
         if rest:
-            return _apply(current, rest, value, where)
+            return _apply(current, rest, value, where, f"{prefix}{head}.")
         if not isinstance(value, dict):
-            raise UserError(f"{where}: {head} is a section, give it keys")
-        for sub_key, sub_value in value.items():
-            _apply(current, str(sub_key), sub_value, where)
-        return
+            raise UserError(f"{where}: {full} is a section, give it keys")
+        return _apply_section(current, value, where, f"{full}.")
     if rest:
-        raise UserError(f"{where}: {head} is not a section, cannot set {key!r}")
-    if isinstance(current, bool) and not isinstance(value, bool):
-        raise UserError(f"{where}: {key} must be true or false, got {value!r}")
-    if isinstance(current, float) and isinstance(value, (int, str)) and not isinstance(value, bool):
+        raise UserError(f"{where}: {prefix}{head} is not a section, cannot set {full!r}")
+    expected = _value_type(names[head].type, current)
+    if expected is bool and not isinstance(value, bool):
+        raise UserError(f"{where}: {full} must be true or false, got {value!r}")
+    if expected is float and isinstance(value, (int, str)) and not isinstance(value, bool):
         try:
             value = float(value)  # YAML reads 1e-3 (no dot) as a string
         except ValueError:
             pass
-    if current is not None and value is not None and not isinstance(value, type(current)):
-        raise UserError(f"{where}: {key} must be {type(current).__name__}, got {value!r}")
+    if expected is not None and value is not None and (not isinstance(value, expected) or
+                                                       (expected is int and isinstance(value, bool))):
+        raise UserError(f"{where}: {full} must be {expected.__name__}, got {value!r}")
     setattr(target, head, value)
+
+
+def _value_type(annotation: object, current: object) -> type | None:
+    """The type a setting takes: its default's, or for a None default the annotation's (`float | None`)."""
+    if current is not None:
+        return type(current)
+    types = [t for t in typing.get_args(annotation) if t is not type(None)]
+    return types[0] if len(types) == 1 and isinstance(types[0], type) else None
+
+
+def _apply_to_list(items: list, item_type: type, name: str, rest: str, value: object, where: str) -> None:
+    """A list of sections `name`: `name=[{...}, ...]` replaces it; `name.N.key=value` sets one key of
+    item N, and N equal to its length appends an item."""
+    if not rest:
+        if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+            raise UserError(f"{where}: {name} must be a list of sections, got {value!r}")
+        items.clear()
+        for index, item in enumerate(value):
+            items.append(item_type())
+            _apply_section(items[-1], item, where, f"{name}.{index}.")
+        return
+    index, _, item_key = rest.partition(".")
+    if not index.isdigit() or int(index) > len(items):
+        raise UserError(f"{where}: {name} has {len(items)} items, so {name}.0 to {name}.{len(items)} "
+                        f"(which appends one), not {name}.{index}")
+    if int(index) == len(items):
+        items.append(item_type())
+    if item_key:
+        _apply(items[int(index)], item_key, value, where, f"{name}.{index}.")
+    elif isinstance(value, dict):
+        _apply_section(items[int(index)], value, where, f"{name}.{index}.")
+    else:
+        raise UserError(f"{where}: {name}.{index} is a section, give it keys")
+
+
+def _apply_section(target: object, value: dict, where: str, prefix: str) -> None:
+    for sub_key, sub_value in value.items():
+        _apply(target, str(sub_key), sub_value, where, prefix)
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
@@ -132,6 +192,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
         if not sep:
             raise UserError(f"override {item!r} is not key=value")
         _apply(config, key.strip(), yaml.safe_load(raw) if raw else None, "command line")
-    if not config.data.remote:
-        raise UserError("data.remote is not set: give the dataset root, e.g. data.remote=data/owt")
+    if not config.data.remote and not config.data.streams:
+        raise UserError("data.remote is not set: give the dataset root, e.g. data.remote=data/owt, or a mixture "
+                        "in data.streams")
     return config

@@ -1,9 +1,9 @@
 """Training data: the converters' MDS datasets through StreamingDataset and StreamingDataLoader.
 
-Partitioning over ranks and workers, shuffling, download-ahead and resumption are streaming's;
-this module only chooses the arguments, checks that a resumed run reads the same sample order,
-and collates uint16 tokens without widening them on the host. Samples themselves come from
-TokenDataset.get_item (token_dataset.py).
+Partitioning over ranks and workers, shuffling, mixing sources, download-ahead and resumption are
+streaming's; this module only chooses the arguments (one Stream per source: mixture.py), checks
+that a resumed run reads the same sample order, and collates uint16 tokens without widening them
+on the host. Samples themselves come from TokenDataset.get_item (token_dataset.py).
 """
 
 import hashlib
@@ -17,13 +17,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from streaming import StreamingDataLoader
+from streaming import Stream, StreamingDataLoader
 from torch.utils.data import get_worker_info
 
 from tokstream.errors import UserError
 from tokstream.format import METADATA_FILE, DatasetMetadata, check_compatible, read_metadata, stored_file
+from tokstream.train import mixture
 from tokstream.train.batch_plan import BatchPlan
 from tokstream.train.config import DataConfig
+from tokstream.train.mixture import Source
 from tokstream.train.token_dataset import TokenDataset
 
 
@@ -31,48 +33,51 @@ def is_remote(path: str) -> bool:
     return "://" in path
 
 
-def local_root(config: DataConfig) -> str:
-    """Where StreamingDataset keeps (or, for a local dataset, finds) the shards."""
-    if is_remote(config.remote):
-        if not config.local:
-            raise UserError(f"data.remote={config.remote} is remote: set data.local to a local cache directory")
-        return config.local
-    if not Path(config.remote).is_dir():
-        raise UserError(f"data.remote={config.remote} does not exist; convert a dataset first "
+def local_root(source: Source) -> str:
+    """Where StreamingDataset keeps (or, for a local dataset, finds) the source's shards."""
+    if is_remote(source.remote):
+        if not source.local:
+            setting = "data.local" if source.key == "data.remote" else f"{source.key}.local (or data.local)"
+            raise UserError(f"{source.where}={source.remote} is remote: set {setting} to a local cache directory")
+        return source.local
+    if not Path(source.remote).is_dir():
+        raise UserError(f"{source.where}={source.remote} does not exist; convert a dataset first "
                         "(python convert/owt_to_mds.py --out ...)")
-    return config.local or config.remote
+    return source.local or source.remote
 
 
 def cache_dirs(config: DataConfig) -> list[str]:
     """The split directories StreamingDataset registers in shared memory for this run."""
-    root = local_root(config)
-    return [os.path.join(root, split) for split in (config.split, config.val_split)]
+    return [os.path.join(local_root(source), split) for source in mixture.sources(config)
+            for split in (config.split, config.val_split)]
 
 
-def fetch_index_files(config: DataConfig) -> Path:
-    """The directory holding metadata.json and each split's index.json, downloaded first if remote.
+def fetch_index_files(source: Source, splits: tuple[str, ...]) -> Path:
+    """The directory holding the source's metadata.json and each split's index.json, downloaded first
+    if remote.
 
     Every rank downloads its own copy under a unique name and renames it into place, so ranks
     sharing a node never read a half-written file.
     """
-    if not is_remote(config.remote):
-        local_root(config)  # checks that it exists
-        return Path(config.remote)
-    if not config.remote.startswith("s3://"):
-        raise UserError(f"data.remote={config.remote}: only local paths and s3:// are supported")
+    if not is_remote(source.remote):
+        local_root(source)  # checks that it exists
+        return Path(source.remote)
+    if not source.remote.startswith("s3://"):
+        raise UserError(f"{source.where}={source.remote}: only local paths and s3:// are supported")
     from tokstream.object_store import S3Dataset
 
-    store = S3Dataset(config.remote)
-    root = Path(local_root(config))
+    store = S3Dataset(source.remote)
+    root = Path(local_root(source))
     if not store.exists(METADATA_FILE):
-        raise UserError(f"{config.remote} has no {METADATA_FILE}: not a converted dataset, or its conversion "
+        raise UserError(f"{source.remote} has no {METADATA_FILE}: not a converted dataset, or its conversion "
                         "has not finished")
-    if not store.exists(f"{config.split}/index.json"):
-        raise UserError(f"{config.remote}/{config.split}/index.json is missing: the split's conversion never "
+    if not store.exists(f"{splits[0]}/index.json"):
+        raise UserError(f"{source.remote}/{splits[0]}/index.json is missing: the split's conversion never "
                         "finished, or data.split names a split the dataset lacks")
-    for relative in [METADATA_FILE] + [f"{s}/index.json" for s in (config.split, config.val_split)]:
+    for relative in [METADATA_FILE] + [f"{s}/index.json" for s in splits]:
         if relative == METADATA_FILE or store.exists(relative):
             target = root / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
             temporary = target.with_name(f"{target.name}.{os.getpid()}.tmp")
             store.download(relative, temporary)
             os.replace(temporary, target)
@@ -108,49 +113,56 @@ def dataset_identity(root: Path, split: str) -> str:
 
 @dataclass(frozen=True)
 class TrainingDataset:
-    """A converted dataset as training sees it: its metadata and the identity of its train split."""
+    """The converted datasets training reads (one, or a mixture's sources), as training sees them."""
 
-    metadata: DatasetMetadata
-    identity: str
+    sources: list[Source]
+    metadata: list[DatasetMetadata]  # per source
+    identity: str  # of the train split(s): a resumed run must read the very same samples
 
-    @property
-    def splits(self) -> dict:
-        return self.metadata.splits
+    def samples(self, split: str) -> list[int]:
+        """The split's samples in each source (0 where a source lacks the split)."""
+        return [m.splits[split].samples if split in m.splits else 0 for m in self.metadata]
 
 
 def open_dataset(config: DataConfig, vocab_size: int, block_size: int) -> TrainingDataset:
-    """Fetch the index files (once, when remote) and refuse a dataset that does not fit the model."""
-    root = fetch_index_files(config)
-    metadata = read_metadata(root)
-    check_compatible(metadata, vocab_size, block_size, config.remote)
-    if config.split not in metadata.splits:
-        raise UserError(f"{config.remote} has no {config.split} split (it has {', '.join(metadata.splits)}): "
-                        "set data.split")
-    if not is_remote(config.remote):  # remote shards are checked against their hashes as they arrive
-        for split in {config.split, config.val_split} & set(metadata.splits):
-            check_split_files(root, split)
-    return TrainingDataset(metadata, dataset_identity(root, config.split))
+    """Fetch each source's index files (once, when remote) and refuse a dataset that does not fit the model,
+    or sources that do not fit each other."""
+    sources = mixture.sources(config)
+    metadata, identities = [], []
+    for source in sources:
+        root = fetch_index_files(source, (config.split, config.val_split))
+        metadata.append(read_metadata(root))
+        check_compatible(metadata[-1], vocab_size, block_size, source.remote)
+        if config.split not in metadata[-1].splits:
+            raise UserError(f"{source.remote} has no {config.split} split (it has {', '.join(metadata[-1].splits)}): "
+                            "set data.split")
+        if not is_remote(source.remote):  # remote shards are checked against their hashes as they arrive
+            for split in {config.split, config.val_split} & set(metadata[-1].splits):
+                check_split_files(root, split)
+        identities.append(dataset_identity(root, config.split))
+    mixture.check_same_tokens(sources, metadata)
+    return TrainingDataset(sources, metadata, mixture.identity(identities))
 
 
-def train_epoch_samples(dataset: TrainingDataset, split: str, plan: BatchPlan, num_canonical_nodes: int) -> int:
-    """Samples per epoch of the train split (plan.epoch_samples); refuses a split too small for one
-    epoch (its ranks would wait forever for a batch)."""
-    samples = dataset.splits[split].samples
-    epoch = plan.epoch_samples(samples, num_canonical_nodes)
-    if epoch == 0:
-        unit = plan.epoch_unit(num_canonical_nodes)
+def train_epoch_samples(dataset: TrainingDataset, split: str, plan: BatchPlan, num_canonical_nodes: int) -> list[int]:
+    """Each source's samples per epoch (mixture.samples_per_epoch), their sum a whole number of steps
+    (plan.epoch_samples); refuses a split too small for one epoch (its ranks would wait forever for a batch)."""
+    unit = plan.epoch_unit(num_canonical_nodes)
+    counts = mixture.samples_per_epoch(dataset.sources, dataset.samples(split), unit)
+    if sum(counts) == 0:
         need = (f"one step's global_batch_size {plan.global_batch_size}" if unit == plan.global_batch_size else
                 f"{unit}, the smallest epoch of whole steps of {plan.global_batch_size} that divides over "
                 f"data.num_canonical_nodes {num_canonical_nodes}")
-        raise UserError(f"the {split} split has {samples} samples, fewer than {need}: convert more data or "
-                        "lower global_batch_size")
-    return epoch
+        held = (f"the {split} split has {sum(dataset.samples(split))} samples" if len(counts) == 1 else
+                f"the mixture's weights give an epoch of {split} fewer samples")
+        raise UserError(f"{held}, fewer than {need}: convert more data or lower global_batch_size")
+    return counts
 
 
-def val_split_holds_a_batch(dataset: TrainingDataset, split: str, world_size: int, micro_batch_size: int) -> bool:
-    """Whether every rank gets at least one micro-batch of the split (streaming gives each rank
+def val_split_holds_a_batch(samples: int, world_size: int, micro_batch_size: int) -> bool:
+    """Whether every rank gets at least one micro-batch of a split of `samples` (streaming gives each rank
     ceil(samples / ranks) samples and the loader drops a partial batch)."""
-    return math.ceil(dataset.splits[split].samples / world_size) >= micro_batch_size
+    return math.ceil(samples / world_size) >= micro_batch_size
 
 
 def check_same_dataset(saved_identity: str, dataset: TrainingDataset) -> None:
@@ -162,11 +174,17 @@ def check_same_dataset(saved_identity: str, dataset: TrainingDataset) -> None:
 class TrainBatches:
     """The train split's micro-batches, epoch after epoch, with the loader's position as its state."""
 
-    def __init__(self, config: DataConfig, micro_batch_size: int, epoch_samples: int, pin_memory: bool):
+    def __init__(self, config: DataConfig, micro_batch_size: int, epoch_samples: list[int], pin_memory: bool):
         self.loader = make_loader(config, config.split, micro_batch_size, shuffle=True, pin_memory=pin_memory,
-                                  epoch_size=epoch_samples)
+                                  choose=epoch_samples)
+        self._first_sample_of_source = self.loader.dataset.sample_offset_per_stream
         # No reference back to self: a cycle would keep the loader's workers alive past the run.
         self._batches = _epoch_after_epoch(self.loader)
+
+    def samples_per_source(self, sample_ids: list[int]) -> np.ndarray:
+        """How many of these samples each source gave."""
+        sources = np.searchsorted(self._first_sample_of_source, sample_ids, side="right") - 1
+        return np.bincount(sources, minlength=len(self._first_sample_of_source))
 
     def __next__(self) -> dict[str, torch.Tensor]:
         return next(self._batches)
@@ -231,18 +249,25 @@ def predownload(config: DataConfig, batch_size: int) -> int:
 
 
 def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, pin_memory: bool,
-                num_workers: int | None = None, epoch_size: int | None = None) -> TokenLoader:
-    # A remote (or a local dataset with a separate local cache) is downloaded/copied by streaming.
-    remote = config.remote if is_remote(config.remote) or config.local else None
+                num_workers: int | None = None, choose: list[int] | None = None,
+                sources: list[Source] | None = None) -> TokenLoader:
+    """A loader over the split of every source (or of `sources`), each giving `choose[i]` samples an
+    epoch (default: each of its samples once)."""
+    sources = mixture.sources(config) if sources is None else sources
+    streams = []
+    for index, source in enumerate(sources):
+        # A remote (or a local dataset with a separate local cache) is downloaded/copied by streaming.
+        remote = source.remote if is_remote(source.remote) or source.local else None
+        streams.append(Stream(remote=remote, local=local_root(source), split=split,
+                              choose=None if choose is None else choose[index],
+                              validate_hash=config.validate_hash if remote else None))
     try:
         dataset = TokenDataset(
-            remote=remote, local=local_root(config), split=split, shuffle=shuffle,
+            streams=streams, shuffle=shuffle,
             shuffle_seed=config.shuffle_seed, shuffle_algo=config.shuffle_algo,
             shuffle_block_size=config.shuffle_block_size, num_canonical_nodes=config.num_canonical_nodes,
             batch_size=batch_size, cache_limit=config.cache_limit,
-            predownload=predownload(config, batch_size),
-            validate_hash=config.validate_hash if remote else None, download_retry=config.download_retry,
-            epoch_size=epoch_size,
+            predownload=predownload(config, batch_size), download_retry=config.download_retry,
         )
     except ValueError as err:  # streaming's word on a bad setting, e.g. a cache_limit below 4 shards
         raise UserError(f"data ({split}): {err}") from None

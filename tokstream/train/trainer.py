@@ -22,6 +22,7 @@ from tokstream.train.config import TrainConfig
 from tokstream.train.distributed import Distributed
 from tokstream.train.fault_injection import crash_if_asked
 from tokstream.train.grace import budget_line, measure_write_rate, notice_line, state_bytes
+from tokstream.train.mixture import describe_epoch
 from tokstream.train.metrics import METRICS_FILE, MetricsLog, console_line
 from tokstream.train.model import GPT, peak_bf16_flops
 from tokstream.train.preemption import PreemptionWatch
@@ -43,7 +44,9 @@ class Run:
     model: torch.nn.Module  # what is called: compiled and/or wrapped in DDP
     optimizer: torch.optim.Optimizer
     batches: data.TrainBatches
-    val_loader: object | None
+    source_names: list[str]  # the mixture's, in data.streams order
+    val_loaders: dict[str, data.TokenLoader]  # per source with a val split
+    val_weights: dict[str, float]  # each one's share of an epoch: val_loss is their weighted mean
     progress: Progress
     store: RunStore
     checkpointer: Checkpointer
@@ -61,17 +64,15 @@ def setup(config: TrainConfig) -> Run:
     plan = BatchPlan(config.global_batch_size, config.micro_batch_size, dist.world)
     dataset = data.open_dataset(config.data, config.model.vocab_size, config.model.block_size)
     epoch_samples = data.train_epoch_samples(dataset, config.data.split, plan, config.data.num_canonical_nodes)
-    left_out = dataset.splits[config.data.split].samples - epoch_samples
     if dist.master:
-        print(f"epochs of {epoch_samples // config.global_batch_size} steps: {epoch_samples} samples, "
-              + (f"{left_out} of the split left out of each epoch (a different few each time)" if left_out
-                 else "the whole split"))
+        print(describe_epoch(dataset.sources, dataset.samples(config.data.split), epoch_samples,
+                             config.global_batch_size))
     store = open_run_store(config.run_dir, config.run_local, check_writable=dist.master)
     checkpoint_url, saved = find_latest(store)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
         old = saved["run"]
-        data.check_same_dataset(old["dataset_identity"], dataset)
         changes = [*check_relaunch(old["config"], config), plan.describe_change(old["batch_plan"])]
+        data.check_same_dataset(old["dataset_identity"], dataset)
         if dist.master:
             for change in filter(None, changes):
                 print(f"relaunch: {change}")
@@ -88,14 +89,7 @@ def setup(config: TrainConfig) -> Run:
         dist.barrier()
     use_cuda = dist.device.type == "cuda"
     batches = data.TrainBatches(config.data, config.micro_batch_size, epoch_samples, pin_memory=use_cuda)
-    val_loader, val_split = None, config.data.val_split
-    if val_split in dataset.splits and config.eval_interval:
-        if data.val_split_holds_a_batch(dataset, val_split, dist.world, config.micro_batch_size):
-            val_loader = data.make_loader(config.data, val_split, config.micro_batch_size, shuffle=False,
-                                          pin_memory=use_cuda, num_workers=0)
-        elif dist.master:
-            print(f"evaluation is off: the {val_split} split has {dataset.splits[val_split].samples} samples, "
-                  f"fewer than one micro-batch of {config.micro_batch_size} on each of {dist.world} ranks")
+    val_loaders = validation_loaders(config, dataset, dist, pin_memory=use_cuda)
     model = torch.compile(raw_model) if config.compile else raw_model
     if dist.enabled:
         model = DDP(model, device_ids=[dist.local_rank] if use_cuda else None)
@@ -119,8 +113,27 @@ def setup(config: TrainConfig) -> Run:
         print(f"metrics: {metrics.path} (a copy goes to {store.url} with each checkpoint)")
     metrics.truncate_after(progress.step)
     autocast = torch.autocast("cuda", dtype=getattr(torch, config.dtype)) if use_cuda else nullcontext()
-    return Run(config, dist, plan, raw_model, model, optimizer, batches, val_loader, progress, store, checkpointer,
+    shares = {source.name: count / sum(epoch_samples) for source, count in zip(dataset.sources, epoch_samples)}
+    return Run(config, dist, plan, raw_model, model, optimizer, batches, [s.name for s in dataset.sources], val_loaders,
+               {name: shares[name] for name in val_loaders}, progress, store, checkpointer,
                metrics, PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None)
+
+
+def validation_loaders(config: TrainConfig, dataset: data.TrainingDataset, dist: Distributed,
+                       pin_memory: bool) -> dict[str, data.TokenLoader]:
+    """A loader over each source's val split, for the sources that have one big enough."""
+    split = config.data.val_split
+    if not config.eval_interval:
+        return {}
+    loaders = {}
+    for source, samples in zip(dataset.sources, dataset.samples(split)):
+        if data.val_split_holds_a_batch(samples, dist.world, config.micro_batch_size):
+            loaders[source.name] = data.make_loader(config.data, split, config.micro_batch_size, shuffle=False,
+                                                    pin_memory=pin_memory, num_workers=0, sources=[source])
+        elif dist.master and samples:
+            print(f"evaluation of {source.where} is off: its {split} split has {samples} samples, fewer than one "
+                  f"micro-batch of {config.micro_batch_size} on each of {dist.world} ranks")
+    return loaders
 
 
 def use_deterministic_kernels() -> None:
@@ -190,14 +203,21 @@ def train(config: TrainConfig) -> bool:
         record = {"step": step, "loss": dist.mean(loss_sum).item(), "lr": lr}
         if config.trace_samples:
             record["samples"] = dist.gather(sample_ids)
+        if len(run.source_names) > 1:
+            counts = torch.from_numpy(run.batches.samples_per_source(sample_ids)).to(dist.device)
+            dist.sum(counts)
+            record["samples_per_source"] = dict(zip(run.source_names, counts.tolist()))
         seconds = time.perf_counter() - started
         record.update(tokens_per_s=tokens_per_step / seconds, data_wait_s=data_wait, step_s=seconds)
         if run.peak_flops:
             record["mfu"] = flops_per_token * tokens_per_step / seconds / (run.peak_flops * dist.world)
-        if run.val_loader is not None and step % config.eval_interval == 0:
-            val_loss = evaluate(run)
-            if val_loss is not None:
-                record["val_loss"] = val_loss
+        if run.val_loaders and step % config.eval_interval == 0:
+            val_losses = evaluate(run)
+            if val_losses is not None:
+                record["val_loss"] = sum(run.val_weights[name] * loss for name, loss in val_losses.items()) / sum(
+                    run.val_weights.values())
+                if len(run.source_names) > 1:
+                    record["val_loss_per_source"] = val_losses
             elif dist.master:
                 bar.write(f"evaluation at step {step} stopped: preemption notice")
         run.metrics.write(record)
@@ -223,23 +243,28 @@ def check_grace(run: Run, step_s: float) -> str:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> float | None:
-    """Mean loss over the first eval_batches micro-batches of every rank's val partition; None when a
-    preemption notice arrives meanwhile (every rank stops at the same batch, and the run goes on to
-    its checkpoint instead of outliving the notice's grace period)."""
+def evaluate(run: Run) -> dict[str, float] | None:
+    """Each source's mean loss over the first eval_batches micro-batches of every rank's val partition;
+    None when a preemption notice arrives meanwhile (every rank stops at the same batch, and the run
+    goes on to its checkpoint instead of outliving the notice's grace period)."""
     run.model.eval()
-    total = torch.zeros(2, device=run.dist.device)
+    totals = torch.zeros(len(run.val_loaders), 2, device=run.dist.device)
     preempted = False
-    for index, batch in enumerate(run.val_loader):
-        if index >= run.config.eval_batches:
+    for total, loader in zip(totals, run.val_loaders.values()):
+        for index, batch in enumerate(loader):
+            if index >= run.config.eval_batches:
+                break
+            if run.preemption.should_stop():
+                preempted = True
+                break
+            inputs, targets = data.to_device(batch, run.dist.device)
+            with run.autocast:
+                total[0] += run.model(inputs, targets).float()
+            total[1] += 1
+        if preempted:
             break
-        if run.preemption.should_stop():
-            preempted = True
-            break
-        inputs, targets = data.to_device(batch, run.dist.device)
-        with run.autocast:
-            total[0] += run.model(inputs, targets).float()
-        total[1] += 1
-    run.dist.sum(total)
+    run.dist.sum(totals)
     run.model.train()
-    return None if preempted else (total[0] / total[1].clamp(min=1)).item()
+    if preempted:
+        return None
+    return {name: (total[0] / total[1].clamp(min=1)).item() for name, total in zip(run.val_loaders, totals)}
