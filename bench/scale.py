@@ -40,7 +40,7 @@ imported = time.monotonic()
 rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 root, samples, position = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 loader = make_loader(DataConfig(remote=root), "train", int(sys.argv[4]), shuffle=True, pin_memory=False,
-                     epoch_size=samples)
+                     choose=[samples])
 if position:
     loader.load_state_dict({"epoch": 0, "sample_in_epoch": int(samples * position), "num_canonical_nodes": 1,
                             "shuffle_seed": 9176, "initial_physical_nodes": 1})
