@@ -36,12 +36,13 @@ def build_dataset(out: Path, million_tokens: int) -> None:
     from bin_speed import build_bin
 
     from tokstream.options import ConversionOptions
-    from tokstream.token_conversion import convert_token_files
+    from tokstream.token_conversion import Vocabulary, convert_token_files
+    from tokstream.tokenizer import load_tokenizer
     from tokstream.token_files import open_token_file
 
     build_bin(out.with_suffix(".bin"), million_tokens)
-    convert_token_files({"train": [open_token_file(out.with_suffix(".bin"))]}, str(out), "gpt2", 50257, 50256,
-                        ConversionOptions(block_size=1024, progress=False))
+    convert_token_files({"train": [open_token_file(out.with_suffix(".bin"))]}, str(out),
+                        Vocabulary.of(load_tokenizer("gpt2")), ConversionOptions(block_size=1024, progress=False))
     out.with_suffix(".bin").unlink()
 
 

@@ -42,15 +42,15 @@ GPT2_VOCAB, GPT2_EOT = 50257, 50256
 def build_token_files(workdir: Path, million_tokens: int, block_size: int) -> tuple[Path, Path]:
     """Random GPT-2 token ids (the loop does not care what they say) as train.bin and as MDS."""
     from tokstream.options import ConversionOptions
-    from tokstream.token_conversion import convert_token_files
+    from tokstream.token_conversion import Vocabulary, convert_token_files
     from tokstream.token_files import open_token_file
 
     bin_path = workdir / "train.bin"
     rng = np.random.default_rng(0)
     rng.integers(0, GPT2_VOCAB, size=million_tokens * 1_000_000, dtype=np.uint16).tofile(bin_path)
     mds_root = workdir / "mds"
-    convert_token_files({"train": [open_token_file(bin_path)]}, str(mds_root), "gpt2", GPT2_VOCAB, GPT2_EOT,
-                        ConversionOptions(block_size=block_size, progress=False))
+    convert_token_files({"train": [open_token_file(bin_path)]}, str(mds_root),
+                        Vocabulary("gpt2", None, GPT2_VOCAB, GPT2_EOT, "after"), ConversionOptions(block_size=block_size, progress=False))
     return bin_path, mds_root
 
 

@@ -4,8 +4,13 @@
     python convert/bin_to_mds.py more_val.bin --out data/owt-b --split val    # add a split to a local dataset
     python convert/bin_to_mds.py 'fineweb10B/fineweb_train_*.bin' --out data/fineweb --split train
     python convert/bin_to_mds.py owt_train_tokens.npy --out data/owt-npy
+    python convert/bin_to_mds.py 'edu_fineweb10B/*_train_*.bin' --val 'edu_fineweb10B/*_val_*.bin' \
+        --tokenizer llama3/tokenizer.json --out data/fineweb-llama3        # llm.c's Llama-3 shards
+    python convert/bin_to_mds.py ids.npy --vocab-size 128256 --separator-id 128000 --separator-position before ...
 
-Inputs are concatenated in the order given (a quoted glob expands sorted) into one split.
+Inputs are concatenated in the order given (a quoted glob expands sorted) into one split. The ids'
+range and the document separator come from --tokenizer (default gpt2), or for files whose tokenizer
+is at hand by name only, from --vocab-size and --separator-id.
 """
 
 import argparse
@@ -18,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 
 from tokstream.cli import add_output_arguments, output_options, summary  # noqa: E402
 from tokstream.errors import UserError, run_cli  # noqa: E402
-from tokstream.token_conversion import convert_token_files  # noqa: E402
-from tokstream.token_files import FORMATS, open_token_file  # noqa: E402
-from tokstream.tokenizer import load_tokenizer  # noqa: E402
+from tokstream.token_conversion import Vocabulary, convert_token_files  # noqa: E402
+from tokstream.token_files import FORMATS, LLMC_LLAMA3_MAGIC, TokenFile, open_token_file  # noqa: E402
+from tokstream.tokenizer import POSITIONS, load_tokenizer  # noqa: E402
 
 
 def expand(patterns: list[str]) -> list[str]:
@@ -33,6 +38,23 @@ def expand(patterns: list[str]) -> list[str]:
     return paths
 
 
+def vocabulary(args: argparse.Namespace, files: list[TokenFile]) -> Vocabulary:
+    """From --vocab-size/--separator-id when given, else from --tokenizer."""
+    if args.vocab_size is not None or args.separator_id is not None:
+        if args.vocab_size is None or args.separator_id is None:
+            raise UserError("--vocab-size and --separator-id go together: give both")
+        if args.tokenizer != "gpt2":
+            raise UserError("--tokenizer and --vocab-size both describe the ids: give one")
+        return Vocabulary(f"vocab-{args.vocab_size}", None, args.vocab_size, args.separator_id,
+                          args.separator_position)
+    llama3 = next((f for f in files if f.is_llama3_llmc), None)
+    if llama3 is not None and args.tokenizer == "gpt2":
+        raise UserError(f"{llama3.path} is an llm.c Llama-3 shard (magic {LLMC_LLAMA3_MAGIC}, uint32 ids): pass "
+                        "--tokenizer with Llama-3's tokenizer.json (or hub repository), or --vocab-size 128256 "
+                        "--separator-id 128000 --separator-position before")
+    return Vocabulary.of(load_tokenizer(args.tokenizer, args.ranks_file, args.separator))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", help="token files or quoted globs, concatenated in this order")
@@ -40,6 +62,10 @@ def main() -> None:
     parser.add_argument("--val", nargs="+", default=None, metavar="FILE",
                         help="token files for the val split, written in the same run")
     parser.add_argument("--format", choices=FORMATS, default="auto", help="input format (default: detect)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="ids are below this (instead of --tokenizer)")
+    parser.add_argument("--separator-id", type=int, default=None, help="the document separator's id (with --vocab-size)")
+    parser.add_argument("--separator-position", choices=POSITIONS, default="after",
+                        help="separator after each document (end-of-text, default) or before it (begin-of-text)")
     add_output_arguments(parser)
     args = parser.parse_args()
 
@@ -50,8 +76,8 @@ def main() -> None:
         if args.split == "val":
             raise UserError("--val with --split val: name the other split with --split")
         files["val"] = [open_token_file(path, args.format) for path in expand(args.val)]
-    tokenizer = load_tokenizer(args.encoding, args.ranks_file)
-    metadata = convert_token_files(files, args.out, tokenizer.name, tokenizer.vocab_size, tokenizer.eot_id, options)
+    every_file = [f for split_files in files.values() for f in split_files]
+    metadata = convert_token_files(files, args.out, vocabulary(args, every_file), options)
     print(summary(metadata, args.out, time.monotonic() - started))
 
 

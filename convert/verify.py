@@ -20,6 +20,8 @@ def main() -> None:
     parser.add_argument("--decode", type=int, metavar="K", help="print sample K as text")
     parser.add_argument("--split", default="train", help="split for --decode")
     parser.add_argument("--ranks-file", default=None, help="local ranks file for --decode (offline)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer for --decode (default: the one the metadata names; a tokenizer.json path)")
     args = parser.parse_args()
     if not args.root.startswith("s3://") and not Path(args.root).is_dir():
         raise UserError(f"{args.root} is not a directory")
@@ -27,7 +29,8 @@ def main() -> None:
     report = verify_dataset(args.root)
     meta = report.metadata
     print(f"{args.root}: {meta.format} v{meta.format_version}, {meta.tokenizer} (vocab {meta.vocab_size}, "
-          f"eot {meta.eot_id}), block_size {meta.block_size}, {meta.dtype}")
+          f"separator {meta.separator_id} {meta.separator_position} each document), block_size {meta.block_size}, "
+          f"{meta.dtype}")
     for name, split in report.splits.items():
         stats = meta.splits[name]
         print(f"  {name:5s} {stats.documents:>10,} docs {stats.tokens:>14,} tokens {split.samples:>11,} samples "
@@ -36,7 +39,11 @@ def main() -> None:
         from tokstream.tokenizer import load_tokenizer
 
         tokens = read_sample(args.root, args.split, args.decode)
-        text = load_tokenizer(meta.tokenizer, args.ranks_file).encoding.decode(tokens.tolist())
+        tokenizer = load_tokenizer(args.tokenizer or meta.tokenizer, args.ranks_file)
+        if meta.tokenizer_sha256 and tokenizer.sha256 != meta.tokenizer_sha256:
+            raise UserError(f"{args.tokenizer or meta.tokenizer} is not the tokenizer {args.root} was converted "
+                            f"with (sha256 {tokenizer.sha256[:12]}, the metadata says {meta.tokenizer_sha256[:12]})")
+        text = tokenizer.decode(tokens.tolist())
         print(f"--- {args.split} sample {args.decode} ({len(tokens)} tokens) ---\n{text}")
     for problem in report.problems:
         print(f"PROBLEM {problem}", file=sys.stderr)

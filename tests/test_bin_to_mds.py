@@ -57,19 +57,6 @@ def test_every_format_gives_the_input_stream(tmp_path, stream):
     assert run_script("convert/verify.py", tmp_path / "out").returncode == 0
 
 
-def test_llama3_shards_keep_uint32(tmp_path, stream):
-    tokens = stream[:50_000] + 70_000  # ids beyond uint16, as Llama-3's 128,256-token vocabulary has
-    write_llmc(tmp_path / "llama.bin", tokens, magic=20240801, version=7, dtype=np.uint32)
-    from tokstream.options import ConversionOptions
-    from tokstream.token_conversion import convert_token_files
-    from tokstream.token_files import open_token_file
-
-    convert_token_files({"train": [open_token_file(tmp_path / "llama.bin")]}, str(tmp_path / "out"), "llama3",
-                        128256, 128001, ConversionOptions(block_size=256, progress=False))
-    assert read_metadata(tmp_path / "out").dtype == "uint32"
-    np.testing.assert_array_equal(split_samples(tmp_path / "out"), expected_samples(tokens, 256))
-
-
 def test_glob_expands_in_sorted_order(tmp_path, stream):
     pieces = np.array_split(stream[:100_000], 3)
     for i, piece in enumerate(pieces):

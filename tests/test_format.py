@@ -1,16 +1,19 @@
 """The on-disk format: sample layout, dtype rule, and shards byte-identical to streaming's MDSWriter."""
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tokstream.errors import UserError
 from tokstream.format import (BlockPacker, DatasetMetadata, ShardWriter, column_encoding, parse_column_encoding,
                               shard_samples, token_dtype)
 
 
 def metadata(block_size: int, vocab_size: int = 50257) -> DatasetMetadata:
-    return DatasetMetadata(tokenizer="gpt2", vocab_size=vocab_size, eot_id=vocab_size - 1, block_size=block_size,
+    return DatasetMetadata(tokenizer="gpt2", tokenizer_sha256=None, vocab_size=vocab_size, separator_id=vocab_size - 1,
+                           separator_position="after", block_size=block_size,
                            dtype=token_dtype(vocab_size).name, source={}, split={})
 
 
@@ -106,3 +109,20 @@ def test_packer_and_writer_continue_from_their_state_with_the_same_bytes(tmp_pat
     assert names == sorted(p.name for p in (tmp_path / "resumed").iterdir())
     for name in names:
         assert (tmp_path / "resumed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
+def test_version_1_metadata_reads_as_an_end_of_text_after_each_document(tmp_path):
+    """Datasets converted before separators were explicit keep training and resuming (their identity
+    is their files' bytes, unchanged)."""
+    from tokstream.format import FORMAT_VERSION, read_metadata
+
+    current = json.loads(metadata(64).to_json())
+    old = {key: value for key, value in current.items() if key not in ("separator_id", "separator_position",
+                                                                       "tokenizer_sha256")}
+    (tmp_path / "metadata.json").write_text(json.dumps({**old, "format_version": 1, "eot_id": 50256}))
+    read = read_metadata(tmp_path)
+    assert (read.format_version, read.separator_id, read.separator_position, read.tokenizer_sha256) == (
+        FORMAT_VERSION, 50256, "after", None)
+    (tmp_path / "metadata.json").write_text(json.dumps({**old, "format_version": 3}))
+    with pytest.raises(UserError, match="has format version 3, this code reads versions 1 and 2"):
+        read_metadata(tmp_path)

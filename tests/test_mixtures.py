@@ -71,8 +71,8 @@ def test_a_mixture_that_cannot_work_is_refused_in_one_line(overrides, message):
     assert message in refusal(check)
 
 
-@pytest.mark.parametrize("key, value", [("tokenizer", "cl100k_base"), ("vocab_size", 50000), ("eot_id", 0),
-                                        ("block_size", 32)])
+@pytest.mark.parametrize("key, value", [("tokenizer_sha256", "0" * 64), ("vocab_size", 50000), ("separator_id", 0),
+                                        ("separator_position", "before"), ("block_size", 32)])
 def test_sources_that_tokenize_differently_are_refused_naming_the_odd_one(tmp_path, key, value):
     from tokstream.train.data import open_dataset
 

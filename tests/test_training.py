@@ -132,7 +132,8 @@ def tiny_splits(root: Path, train_samples: int, val_samples: int, seed: int = 0)
     import numpy as np
 
     from tokstream.options import ConversionOptions
-    from tokstream.token_conversion import convert_token_files
+    from tokstream.token_conversion import Vocabulary, convert_token_files
+    from tokstream.tokenizer import load_tokenizer
     from tokstream.token_files import open_token_file
 
     files = {}
@@ -140,7 +141,8 @@ def tiny_splits(root: Path, train_samples: int, val_samples: int, seed: int = 0)
         path = root / f"{split}.bin"
         ((np.arange(samples * 64 + 1) * 7919 + seed * 104729) % 50256).astype("<u2").tofile(path)
         files[split] = [open_token_file(path)]
-    convert_token_files(files, str(root / "ds"), "gpt2", 50257, 50256, ConversionOptions(block_size=64, progress=False))
+    convert_token_files(files, str(root / "ds"), Vocabulary.of(load_tokenizer("gpt2")),
+                        ConversionOptions(block_size=64, progress=False))
     return root / "ds"
 
 

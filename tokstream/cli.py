@@ -17,8 +17,12 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True,
                         help="output dataset root, a local path or s3://bucket/prefix (gets SPLIT/ and metadata.json)")
     parser.add_argument("--block-size", type=int, default=1024, help="tokens per block; samples hold block+1")
-    parser.add_argument("--encoding", default="gpt2", help="tiktoken encoding (default gpt2)")
+    parser.add_argument("--tokenizer", "--encoding", dest="tokenizer", default="gpt2",
+                        help="a tiktoken encoding (default gpt2), a tokenizer.json, or a hub repository with one")
     parser.add_argument("--ranks-file", default=None, help="local GPT-2/r50k_base .tiktoken ranks file (offline)")
+    parser.add_argument("--separator", default="auto",
+                        help="document separator: after:TOKEN (end-of-text, GPT-2) or before:TOKEN (begin-of-text, "
+                             "Llama-3); auto: <|endoftext|> after, else <|begin_of_text|> before")
     parser.add_argument("--shard-size", default="64mb", help="MDS shard size limit")
     parser.add_argument("--compression", default=None, help="MDS shard compression: zstd or zstd:LEVEL")
     parser.add_argument("--hashes", default="xxh64", help="comma-separated shard hashes ('' for none)")
@@ -72,7 +76,7 @@ def run_text_conversion(args: argparse.Namespace, inputs: list[str], source_kwar
     """The body of every text converter's main(): options from the command line, then the core."""
     started = time.monotonic()
     options = text_options(args)
-    tokenizer = load_tokenizer(args.encoding, args.ranks_file)
+    tokenizer = load_tokenizer(args.tokenizer, args.ranks_file, args.separator)
     metadata = convert_text(inputs, args.out, source_kwargs, cleaning, options, tokenizer,
                             num_parts=args.num_parts, part=args.part, merge=args.merge)
     if metadata is None:
@@ -83,7 +87,9 @@ def run_text_conversion(args: argparse.Namespace, inputs: list[str], source_kwar
 
 def summary(metadata: DatasetMetadata, out: str, seconds: float) -> str:
     """Human-readable closing lines for a conversion."""
-    lines = [f"wrote {out} ({metadata.tokenizer}, block_size {metadata.block_size}, {metadata.dtype})"]
+    separator = f"separator {metadata.separator_id} {metadata.separator_position} each document"
+    lines = [f"wrote {out} ({metadata.tokenizer}, vocab {metadata.vocab_size}, {separator}, block_size "
+             f"{metadata.block_size}, {metadata.dtype})"]
     tokens = 0
     for name, s in metadata.splits.items():
         tokens += s.tokens

@@ -81,7 +81,8 @@ class SplitWriter:
 def text_metadata(tokenizer: Tokenizer, options: ConversionOptions, description: dict) -> DatasetMetadata:
     """The metadata of a text conversion, before any counts are known."""
     return DatasetMetadata(
-        tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size, eot_id=tokenizer.eot_id,
+        tokenizer=tokenizer.name, tokenizer_sha256=tokenizer.sha256, vocab_size=tokenizer.vocab_size,
+        separator_id=tokenizer.separator_id, separator_position=tokenizer.separator_position,
         block_size=options.block_size, dtype=token_dtype(tokenizer.vocab_size).name, source=description,
         split={"method": "blake2b-of-text", "seed": options.seed, "val_fraction": options.val_fraction},
     )

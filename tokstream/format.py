@@ -13,6 +13,13 @@ sample carries no per-sample header. Sample k holds stream tokens
 [k*B, k*B + B] inclusive: consecutive samples overlap by one token, inputs are
 `tokens[:-1]` and targets `tokens[1:]`, so every token after the first is a
 target exactly once. The dtype is uint16 when every id fits, else uint32.
+
+The stream is the documents' tokens in order, each with the separator token
+`separator_id`: after the document (`separator_position` "after": GPT-2's
+end-of-text) or before it ("before": Llama-3's begin-of-text). The metadata
+names the tokenizer and the sha256 of its file (none for token files converted
+without one). Version 1 (no separator fields: an end-of-text `eot_id` after
+each document) is read as version 2.
 """
 
 import hashlib
@@ -26,7 +33,8 @@ import numpy as np
 from tokstream.errors import UserError
 
 FORMAT_NAME = "tokstream-mds"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+SEPARATOR_POSITIONS = ("after", "before")
 METADATA_FILE = "metadata.json"
 TOKENS_COLUMN = "tokens"
 SPLITS = ("train", "val")
@@ -71,9 +79,11 @@ class SplitStats:
 class DatasetMetadata:
     """The record training checks its config against; one per dataset root."""
 
-    tokenizer: str
+    tokenizer: str  # its name: a tiktoken encoding, a tokenizer.json or hub name, or what --vocab-size described
+    tokenizer_sha256: str | None  # of the tokenizer's file; None when converted from token files without one
     vocab_size: int
-    eot_id: int
+    separator_id: int  # the document separator
+    separator_position: str  # "after" each document or "before" it
     block_size: int
     dtype: str
     source: dict
@@ -103,17 +113,24 @@ class DatasetMetadata:
             raise UserError(f"{where} is not valid JSON: {err}") from None
         if raw.get("format") != FORMAT_NAME:
             raise UserError(f"{where} is not a {FORMAT_NAME} dataset (format={raw.get('format')!r})")
-        if raw.get("format_version") != FORMAT_VERSION:
+        if raw.get("format_version") not in (1, FORMAT_VERSION):
             raise UserError(
                 f"{where} has format version {raw.get('format_version')}, this code reads "
-                f"version {FORMAT_VERSION}: reconvert the data or use a matching release"
+                f"versions 1 and {FORMAT_VERSION}: reconvert the data or use a matching release"
             )
         try:
+            if raw["format_version"] == 1:  # an end-of-text after each document, no tokenizer hash
+                raw.update(format_version=FORMAT_VERSION, separator_id=raw.pop("eot_id"), separator_position="after",
+                           tokenizer_sha256=None)
             raw["splits"] = {name: SplitStats(**stats) for name, stats in raw["splits"].items()}
-            return cls(**raw)
+            metadata = cls(**raw)
         except (KeyError, TypeError, AttributeError) as err:  # a field missing, unknown or of the wrong kind
             raise UserError(f"{where} is damaged or hand-edited ({type(err).__name__}: {err}): "
                             "restore it from the conversion or reconvert") from None
+        if metadata.separator_position not in SEPARATOR_POSITIONS:
+            raise UserError(f"{where}: separator_position {metadata.separator_position!r} is neither "
+                            f"{' nor '.join(SEPARATOR_POSITIONS)}: restore it from the conversion or reconvert")
+        return metadata
 
 
 def write_metadata(root: str | os.PathLike, metadata: DatasetMetadata) -> None:

@@ -31,7 +31,8 @@ def convert_documents(source: DocumentSource, tokenizer: Tokenizer, out: str, op
     """
     metadata = text_metadata(tokenizer, options, source.description)
     settings = {k: getattr(options, k) for k in ("block_size", "val_fraction", "seed", "max_docs")}
-    key = text_resume_key(source.description, [tokenizer.name, tokenizer.ranks_file],
+    key = text_resume_key(source.description, [metadata.tokenizer, metadata.tokenizer_sha256, metadata.separator_id,
+                                               metadata.separator_position],
                           {**settings, **options.writer_settings})
     with staged_output(out, options.overwrite, options.staging_dir, resume_key=key) as staging:
         outputs = {name: SplitWriter(name, staging.path / name, metadata, options, staging.on_file) for name in options.text_splits}

@@ -8,6 +8,7 @@ verifies them and continues from the first sample they do not hold; a finished s
 
 import mmap
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,22 @@ from tokstream.staging import staged_output
 from tokstream.token_files import TokenFile, check_chunk
 
 CHUNK_TOKENS = 1 << 24  # 32 MB of uint16 per read
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """What token files need of their tokenizer: the range of ids and the document separator."""
+
+    name: str  # the tokenizer's, or vocab-N when only --vocab-size describes it
+    sha256: str | None  # of the tokenizer's file, when there is one
+    size: int
+    separator_id: int
+    separator_position: str  # after or before each document
+
+    @classmethod
+    def of(cls, tokenizer) -> "Vocabulary":
+        return cls(tokenizer.name, tokenizer.sha256, tokenizer.vocab_size, tokenizer.separator_id,
+                   tokenizer.separator_position)
 
 
 def _release_pages(tokens: np.ndarray) -> None:
@@ -54,7 +71,7 @@ def pack_token_files(files: list[TokenFile], name: str, directory: Path, metadat
             for start in range(0, len(token_file.tokens), CHUNK_TOKENS):
                 chunk = np.asarray(token_file.tokens[start : start + CHUNK_TOKENS])
                 check_chunk(chunk, metadata.vocab_size, token_file, start)
-                documents = int(np.count_nonzero(chunk == metadata.eot_id))
+                documents = int(np.count_nonzero(chunk == metadata.separator_id))
                 first_new = max(0, skip - (offset + start))  # tokens already in verified shards
                 split.add(chunk[first_new:], documents)
                 bar.update(len(chunk))
@@ -69,21 +86,24 @@ def pack_token_files(files: list[TokenFile], name: str, directory: Path, metadat
     return stats
 
 
-def convert_token_files(files_by_split: dict[str, list[TokenFile]], out: str, tokenizer_name: str, vocab_size: int,
-                        eot_id: int, options: ConversionOptions) -> DatasetMetadata:
+def convert_token_files(files_by_split: dict[str, list[TokenFile]], out: str, vocabulary: Vocabulary,
+                        options: ConversionOptions) -> DatasetMetadata:
     """Write dataset `out` with these splits; into an existing local dataset, add (or replace) them.
 
     E.g. train.bin and val.bin in one call, or train now and val later into the same local root.
     """
     if not all(files_by_split.values()):
         raise UserError("no input files")
+    if not 0 <= vocabulary.separator_id < vocabulary.size:
+        raise UserError(f"separator id {vocabulary.separator_id} is outside the vocabulary (size {vocabulary.size})")
     metadata = DatasetMetadata(
-        tokenizer=tokenizer_name, vocab_size=vocab_size, eot_id=eot_id, block_size=options.block_size,
-        dtype=token_dtype(vocab_size).name,
+        tokenizer=vocabulary.name, tokenizer_sha256=vocabulary.sha256, vocab_size=vocabulary.size,
+        separator_id=vocabulary.separator_id, separator_position=vocabulary.separator_position,
+        block_size=options.block_size, dtype=token_dtype(vocabulary.size).name,
         source={"kind": "token-files", "splits": {
             split: {"files": [str(f.path) for f in files], "formats": [f.format for f in files]}
             for split, files in files_by_split.items()}},
-        split={"method": "given", "note": "splits named on the command line; documents counted as eot tokens"},
+        split={"method": "given", "note": "splits named on the command line; documents counted as separator tokens"},
     )
     root = Path(out)
     if not is_s3(out) and (root / METADATA_FILE).is_file() and not options.overwrite:
@@ -102,13 +122,15 @@ def _resume_key(files_by_split: dict[str, list[TokenFile]], metadata: DatasetMet
                 options: ConversionOptions) -> dict:
     inputs = {split: [(str(f.path), f.format) for f in files] for split, files in files_by_split.items()}
     return token_files_resume_key(inputs, {"block_size": options.block_size, "vocab_size": metadata.vocab_size,
+                                           "separator": [metadata.separator_id, metadata.separator_position],
                                            **options.writer_settings})
 
 
 def _add_local_splits(files_by_split: dict[str, list[TokenFile]], root: Path, metadata: DatasetMetadata,
                       options: ConversionOptions) -> DatasetMetadata:
     existing = read_metadata(root)
-    for key in ("tokenizer", "vocab_size", "block_size", "dtype"):
+    for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "separator_id", "separator_position", "block_size",
+                "dtype"):
         if getattr(existing, key) != getattr(metadata, key):
             raise UserError(f"{root} holds {key}={getattr(existing, key)!r}, this conversion "
                             f"{getattr(metadata, key)!r}: use another --out")

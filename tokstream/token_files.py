@@ -2,7 +2,9 @@
 
 - nanoGPT `train.bin`/`val.bin`: headerless little-endian uint16.
 - llm.c shards: 256 little-endian int32 header (magic, version, token count, unused...), then the
-  tokens: magic 20240520 / version 1 for GPT-2 (uint16), 20240801 / version 7 for Llama-3 (uint32).
+  tokens: magic 20240520 / version 1 for GPT-2 (uint16), 20240801 / version 7 for Llama-3 (uint32,
+  each document led by <|begin_of_text|>, 128000). llm.c's evaluation files (magic 20240522, HellaSwag
+  examples) and files with an llm.c-style header of another magic are refused, named for what they are.
 - `.npy`: a 1-D array of any integer dtype.
 """
 
@@ -15,6 +17,8 @@ from tokstream.errors import UserError
 
 LLMC_HEADER_INTS = 256
 LLMC_VERSIONS = {20240520: (1, np.dtype("<u2")), 20240801: (7, np.dtype("<u4"))}
+LLMC_LLAMA3_MAGIC = 20240801
+LLMC_EVAL_MAGIC = 20240522  # dev/data/hellaswag.py's evaluation examples, not a token stream
 FORMATS = ("auto", "nanogpt", "llmc", "npy")
 
 
@@ -24,14 +28,26 @@ class TokenFile:
     format: str
     tokens: np.ndarray  # 1-D, memory-mapped: never read whole
 
+    @property
+    def is_llama3_llmc(self) -> bool:
+        return self.format == "llmc" and self.tokens.dtype.itemsize == 4
+
 
 def detect_format(path: Path) -> str:
     if path.suffix == ".npy":
         return "npy"
-    with open(path, "rb") as handle:
-        head = handle.read(4)
-    if len(head) == 4 and int.from_bytes(head, "little", signed=True) in LLMC_VERSIONS:
+    header = np.fromfile(path, dtype="<i4", count=LLMC_HEADER_INTS)
+    magic = int(header[0]) if len(header) else None
+    if magic in LLMC_VERSIONS:
         return "llmc"
+    if magic == LLMC_EVAL_MAGIC:
+        raise UserError(f"{path} is an llm.c evaluation file (magic {magic}: HellaSwag examples), not token data; "
+                        "convert the train/val token shards instead")
+    size, count = path.stat().st_size, int(header[2]) if len(header) == LLMC_HEADER_INTS else -1
+    if count >= 0 and size in (LLMC_HEADER_INTS * 4 + count * 2, LLMC_HEADER_INTS * 4 + count * 4):
+        raise UserError(f"{path} has an llm.c-style header (its token count matches the file size) with magic "
+                        f"{magic}, which this converter does not know ({' or '.join(map(str, LLMC_VERSIONS))}); "
+                        "pass --format nanogpt if it really is a headerless uint16 file")
     return "nanogpt"
 
 
@@ -87,4 +103,4 @@ def check_chunk(chunk: np.ndarray, vocab_size: int, token_file: TokenFile, start
     if int(chunk.max()) >= vocab_size:
         offset = start + int(np.argmax(chunk >= vocab_size))
         raise UserError(f"{token_file.path}: token id {int(chunk[offset - start])} at token {offset} is outside "
-                        f"the vocabulary (size {vocab_size}); wrong --encoding or not a token file?")
+                        f"the vocabulary (size {vocab_size}); wrong --tokenizer (or --vocab-size), or not a token file?")

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from tokstream.cleaning import fingerprint
 from tokstream.options import ConversionOptions
-from tokstream.tokenizer import Tokenizer, load_tokenizer
+from tokstream.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer
 
 BATCH_CHARS = 1 << 20  # about 1 MB of text per task: large enough to amortise pickling
 BATCH_DOCS = 4096
@@ -25,7 +25,7 @@ class TokenizedBatch:
 
     train: np.ndarray
     val: np.ndarray
-    train_lengths: np.ndarray  # tokens of each document, end-of-text included, in order
+    train_lengths: np.ndarray  # tokens of each document, its separator included, in order
     val_lengths: np.ndarray
     train_prints: np.ndarray  # each document's 64-bit fingerprint (cleaning.fingerprint), if asked for
     val_prints: np.ndarray
@@ -53,9 +53,8 @@ def is_val_document(text: str, seed: int, val_fraction: float) -> bool:
 _WORKER_STATE: dict = {}
 
 
-def _init_worker(tokenizer_name: str, ranks_file: str | None, seed: int, val_fraction: float,
-                 dtype: np.dtype, fingerprints: bool) -> None:
-    tokenizer = load_tokenizer(tokenizer_name, ranks_file)
+def _init_worker(spec: TokenizerSpec, seed: int, val_fraction: float, dtype: np.dtype, fingerprints: bool) -> None:
+    tokenizer = load_tokenizer(spec)
     _WORKER_STATE.update(tokenizer=tokenizer, seed=seed, val_fraction=val_fraction, dtype=dtype,
                          fingerprints=fingerprints)
 
@@ -63,15 +62,15 @@ def _init_worker(tokenizer_name: str, ranks_file: str | None, seed: int, val_fra
 def _tokenize_batch(texts: list[str]) -> TokenizedBatch:
     tokenizer: Tokenizer = _WORKER_STATE["tokenizer"]
     seed, val_fraction, dtype = _WORKER_STATE["seed"], _WORKER_STATE["val_fraction"], _WORKER_STATE["dtype"]
-    encode, eot = tokenizer.encoding.encode_ordinary, tokenizer.eot_id
+    separator, before = [tokenizer.separator_id], tokenizer.separator_position == "before"
     with_prints = _WORKER_STATE["fingerprints"]
     ids: dict[bool, list[int]] = {False: [], True: []}
     lengths: dict[bool, list[int]] = {False: [], True: []}
     prints: dict[bool, list[int]] = {False: [], True: []}
-    for text in texts:
+    for text, encoded in zip(texts, tokenizer.encode_batch(texts)):
         to_val = is_val_document(text, seed, val_fraction)
-        tokens = encode(text)
-        tokens.append(eot)  # nanoGPT appends <|endoftext|> after every document
+        # nanoGPT appends <|endoftext|> after every document; Llama-3 data starts each with <|begin_of_text|>
+        tokens = separator + encoded if before else encoded + separator
         ids[to_val].extend(tokens)
         lengths[to_val].append(len(tokens))
         if with_prints:  # lets a later merge drop duplicates across parts
@@ -108,7 +107,7 @@ def tokenize_documents(documents: Iterable[str], tokenizer: Tokenizer, seed: int
         return
     # forkserver, not fork: the parent may be importing torch in a thread meanwhile.
     context = multiprocessing.get_context("forkserver")
-    init_args = (tokenizer.name, tokenizer.ranks_file, seed, val_fraction, dtype, fingerprints)
+    init_args = (tokenizer.spec, seed, val_fraction, dtype, fingerprints)
     with context.Pool(num_workers, initializer=_init_worker, initargs=init_args) as pool:
         in_flight: deque = deque()
         for batch in _batches(documents):

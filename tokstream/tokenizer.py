@@ -1,17 +1,23 @@
-"""Loading the tiktoken encoding, online or from a local ranks file.
+"""Tokenizers: a tiktoken encoding, or a Hugging Face `tokenizers` tokenizer.json (file or hub name).
 
-GPT-2's BPE ranks, split pattern and single special token are identical to
-tiktoken's `r50k_base`, and `r50k_base` is one file (GPT-2's own loader needs
-two), so "gpt2" is served from the `r50k_base` file. tiktoken itself downloads
-it, or reads it from `TIKTOKEN_CACHE_DIR`; `--ranks-file` (or the environment
-variable `TOKSTREAM_RANKS_FILE`) points at a local `.tiktoken` file instead.
+Every tokenizer gives the same facts to the on-disk format: a name, the sha256 of its file (the
+identity a dataset records), the vocabulary size, and the document separator: its id and whether
+it goes after each document (end-of-text: GPT-2, nanoGPT) or before it (begin-of-text: Llama-3,
+llm.c's fineweb.py).
+
+GPT-2's BPE ranks, split pattern and single special token are identical to tiktoken's `r50k_base`,
+and `r50k_base` is one file (GPT-2's own loader needs two), so "gpt2" is served from the
+`r50k_base` file. tiktoken itself downloads it, or reads it from `TIKTOKEN_CACHE_DIR`;
+`--ranks-file` (or `TOKSTREAM_RANKS_FILE`) points at a local `.tiktoken` file instead. A tiktoken
+encoding's sha256 is that of its ranks file as tiktoken stores it.
 """
 
+import base64
+import hashlib
 import os
 from dataclasses import dataclass
-
-import tiktoken
-from tiktoken.load import load_tiktoken_bpe
+from functools import cached_property
+from pathlib import Path
 
 from tokstream.errors import UserError
 
@@ -20,48 +26,157 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|
 GPT2_EOT = "<|endoftext|>"
 ENCODING_ALIASES = {"gpt2": "r50k_base"}
 RANKS_FILE_ENV = "TOKSTREAM_RANKS_FILE"
+POSITIONS = ("after", "before")
+# A tokenizer.json's separator when --separator is auto: the first of these it holds.
+KNOWN_SEPARATORS = (("after", "<|endoftext|>"), ("before", "<|begin_of_text|>"))
 
 
 @dataclass(frozen=True)
+class TokenizerSpec:
+    """What names a tokenizer, small and picklable: a worker process loads it again from this."""
+
+    source: str = "gpt2"  # tiktoken encoding name, path to a tokenizer.json, or a hub repository with one
+    ranks_file: str | None = None  # a local .tiktoken file for gpt2/r50k_base (offline)
+    separator: str = "auto"  # auto, or after:TOKEN / before:TOKEN
+
+
 class Tokenizer:
-    """A tiktoken encoding plus the facts the on-disk format records about it."""
+    """A loaded tokenizer; `encode_batch` gives each text's ids, special-token text read as plain text."""
 
+    spec: TokenizerSpec
     name: str
-    encoding: tiktoken.Encoding
-    ranks_file: str | None = None  # how to load it again in another process
+    vocab_size: int
+    separator_id: int
+    separator_position: str
 
     @property
-    def vocab_size(self) -> int:
-        return self.encoding.n_vocab
+    def sha256(self) -> str:
+        raise NotImplementedError
 
-    @property
-    def eot_id(self) -> int:
-        return self.encoding.eot_token
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
 
 
-def load_tokenizer(name: str = "gpt2", ranks_file: str | None = None) -> Tokenizer:
-    """Return the named encoding; with a ranks file, build GPT-2's encoding from it offline."""
-    ranks_file = ranks_file or os.environ.get(RANKS_FILE_ENV)
-    if ranks_file:
-        if name not in ("gpt2", "r50k_base"):
-            raise UserError(f"--ranks-file only supports the gpt2/r50k_base encoding, not {name!r}")
-        if not os.path.isfile(ranks_file):
-            raise UserError(f"ranks file {ranks_file} does not exist")
-        ranks = load_tiktoken_bpe(ranks_file)
-        encoding = tiktoken.Encoding(
-            name=name,
-            pat_str=GPT2_PATTERN,
-            mergeable_ranks=ranks,
-            special_tokens={GPT2_EOT: len(ranks)},
-        )
-        return Tokenizer(name, encoding, ranks_file)
+def _separator(spec: TokenizerSpec, vocabulary: dict[str, int], where: str) -> tuple[int, str]:
+    """The separator's id and position: as --separator says, or the first known one the vocabulary holds."""
+    if spec.separator == "auto":
+        for position, token in KNOWN_SEPARATORS:
+            if token in vocabulary:
+                return vocabulary[token], position
+        raise UserError(f"{where} holds none of {', '.join(t for _, t in KNOWN_SEPARATORS)}: name the document "
+                        "separator with --separator after:TOKEN (end of each document) or before:TOKEN (its start)")
+    position, _, token = spec.separator.partition(":")
+    if position not in POSITIONS or not token:
+        raise UserError(f"--separator {spec.separator!r}: give auto, after:TOKEN or before:TOKEN")
+    if token not in vocabulary:
+        raise UserError(f"--separator {spec.separator}: {where} has no token {token!r}")
+    return vocabulary[token], position
+
+
+class TiktokenTokenizer(Tokenizer):
+    def __init__(self, spec: TokenizerSpec):
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        self.spec, self.name = spec, spec.source
+        ranks_file = spec.ranks_file or os.environ.get(RANKS_FILE_ENV)
+        if ranks_file:
+            if spec.source not in ("gpt2", "r50k_base"):
+                raise UserError(f"--ranks-file only supports the gpt2/r50k_base encoding, not {spec.source!r}")
+            if not os.path.isfile(ranks_file):
+                raise UserError(f"ranks file {ranks_file} does not exist")
+            ranks = load_tiktoken_bpe(ranks_file)
+            self.encoding = tiktoken.Encoding(name=spec.source, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                              special_tokens={GPT2_EOT: len(ranks)})
+        else:
+            try:
+                self.encoding = tiktoken.get_encoding(ENCODING_ALIASES.get(spec.source, spec.source))
+            except ValueError as err:
+                raise UserError(f"unknown tiktoken encoding {spec.source!r} ({err}), and no tokenizer.json of "
+                                "that name") from None
+            except Exception as err:  # network or cache failures surface as many exception types
+                raise UserError(
+                    f"could not load tiktoken encoding {spec.source!r}: {type(err).__name__}: {err}. Offline? "
+                    "set TIKTOKEN_CACHE_DIR to a tiktoken cache or pass --ranks-file r50k_base.tiktoken"
+                ) from None
+        self.vocab_size = self.encoding.n_vocab
+        if spec.separator == "auto":
+            self.separator_id, self.separator_position = self.encoding.eot_token, "after"
+        else:
+            specials = {token: self.encoding.encode_single_token(token) for token in self.encoding.special_tokens_set}
+            self.separator_id, self.separator_position = _separator(spec, specials, f"tiktoken encoding {self.name}")
+
+    @cached_property
+    def sha256(self) -> str:
+        """The sha256 of the ranks file as tiktoken stores it (base64 token, space, rank, per line)."""
+        digest = hashlib.sha256()
+        for rank in range(self.encoding.n_vocab):
+            try:
+                token = self.encoding.decode_single_token_bytes(rank)
+            except KeyError:  # a gap in the ranks
+                continue
+            if token.decode("utf-8", "replace") in self.encoding.special_tokens_set:
+                continue
+            digest.update(base64.b64encode(token) + b" " + str(rank).encode() + b"\n")
+        return digest.hexdigest()
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encoding.encode_ordinary(text) for text in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.encoding.decode(ids)
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A `tokenizers` tokenizer.json: a file, or a hub repository's (downloaded through huggingface_hub)."""
+
+    def __init__(self, spec: TokenizerSpec, path: Path):
+        from tokenizers import Tokenizer as Backend
+
+        self.spec, self.name, self.path = spec, spec.source, path
+        try:
+            self.backend = Backend.from_file(str(path))
+        except Exception as err:  # tokenizers raises its own Exception for a malformed file
+            raise UserError(f"{path} is not a readable tokenizer.json: {err}") from None
+        self.backend.encode_special_tokens = True  # a special token's text in a document is text, as in tiktoken
+        vocabulary = self.backend.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocabulary.values()) + 1
+        self.separator_id, self.separator_position = _separator(spec, vocabulary, str(path))
+
+    @cached_property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # Its own batch call (threads in Rust); no special tokens added (the separator is ours to place).
+        return [encoding.ids for encoding in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=False)
+
+
+def _hub_tokenizer_file(repository: str) -> Path:
+    from huggingface_hub import hf_hub_download
+
     try:
-        encoding = tiktoken.get_encoding(ENCODING_ALIASES.get(name, name))
-    except ValueError as err:
-        raise UserError(f"unknown tiktoken encoding {name!r} ({err})") from None
-    except Exception as err:  # network or cache failures surface as many exception types
-        raise UserError(
-            f"could not load tiktoken encoding {name!r}: {type(err).__name__}: {err}. Offline? "
-            "set TIKTOKEN_CACHE_DIR to a tiktoken cache or pass --ranks-file r50k_base.tiktoken"
-        ) from None
-    return Tokenizer(name, encoding)
+        return Path(hf_hub_download(repository, "tokenizer.json"))
+    except Exception as err:  # offline, gated, or no such repository
+        raise UserError(f"{repository!r} is neither a tiktoken encoding, a tokenizer.json file, nor a hub repository "
+                        f"with a tokenizer.json reachable from here ({type(err).__name__}); pass a local "
+                        "tokenizer.json") from None
+
+
+def load_tokenizer(source: str | TokenizerSpec = "gpt2", ranks_file: str | None = None,
+                   separator: str = "auto") -> Tokenizer:
+    """A tiktoken encoding by name, a tokenizer.json file, or a hub repository's tokenizer.json."""
+    spec = source if isinstance(source, TokenizerSpec) else TokenizerSpec(source, ranks_file, separator)
+    if spec.source.endswith(".json") or Path(spec.source).is_file():
+        if not Path(spec.source).is_file():
+            raise UserError(f"tokenizer file {spec.source} does not exist")
+        return HuggingFaceTokenizer(spec, Path(spec.source))
+    if "/" in spec.source and not spec.ranks_file:  # owner/name: a hub repository
+        return HuggingFaceTokenizer(spec, _hub_tokenizer_file(spec.source))
+    return TiktokenTokenizer(spec)

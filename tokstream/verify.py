@@ -20,7 +20,7 @@ class SplitReport:
     shards: int = 0
     samples: int = 0
     bytes: int = 0
-    eot_tokens: int = 0  # end-of-text tokens among the split's distinct stream positions
+    separator_tokens: int = 0  # document separators among the split's distinct stream positions
 
 
 @dataclass
@@ -153,13 +153,13 @@ def verify_dataset(root: str | Path) -> VerifyReport:
                 problems.append(f"{split}: sample {split_report.samples - len(samples) + int(bad[0])} "
                                 "does not start with the previous sample's last token")
             previous_last = samples[-1, -1]
-            split_report.eot_tokens += int(np.count_nonzero(samples[:, 1:] == metadata.eot_id))
+            split_report.separator_tokens += int(np.count_nonzero(samples[:, 1:] == metadata.separator_id))
         if split_report.samples != stats.samples:
             problems.append(f"{split}: {split_report.samples} samples in shards, metadata says {stats.samples}")
         if stats.samples and stats.samples * metadata.block_size + 1 + stats.dropped_tokens != stats.tokens:
             problems.append(f"{split}: samples, block size and dropped tokens do not add up to {stats.tokens} tokens")
-        if split_report.eot_tokens > stats.documents:
-            problems.append(f"{split}: {split_report.eot_tokens} end-of-text tokens but {stats.documents} documents")
+        if split_report.separator_tokens > stats.documents:
+            problems.append(f"{split}: {split_report.separator_tokens} separator tokens but {stats.documents} documents")
     return report
 
 

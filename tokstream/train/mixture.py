@@ -88,7 +88,9 @@ def check_same_tokens(sources: list[Source], metadata: list[DatasetMetadata]) ->
     """Refuse sources whose samples do not mean the same to the model."""
     first = metadata[0]
     for source, other in zip(sources[1:], metadata[1:]):
-        for key in ("tokenizer", "vocab_size", "eot_id", "block_size", "dtype"):
+        # The tokenizer's file identifies it where both record one; its name otherwise.
+        identity = "tokenizer_sha256" if first.tokenizer_sha256 and other.tokenizer_sha256 else "tokenizer"
+        for key in (identity, "vocab_size", "separator_id", "separator_position", "block_size", "dtype"):
             if getattr(other, key) != getattr(first, key):
                 raise UserError(f"{source.where} at {source.remote} has {key}={getattr(other, key)!r}, "
                                 f"{sources[0].where} {getattr(first, key)!r}: a mixture's sources must share "
