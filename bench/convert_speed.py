@@ -2,9 +2,14 @@
 
     python bench/convert_speed.py                 # builds a 160 MB corpus from ../shared/corpora
     python bench/convert_speed.py --mb 300 --workers 2
+    python bench/convert_speed.py --tokenizer trained-bpe     # a Hugging Face tokenizer.json instead
+    python bench/convert_speed.py --tokenizer llama3/tokenizer.json
 
-Baseline: tiktoken's `encode_ordinary_batch` with all cores over the documents already in memory.
-Converter: `python convert/owt_to_mds.py` end to end, process start and imports included.
+Baseline: the raw tokenizer's own batch call with all cores over the documents already in memory:
+tiktoken's `encode_ordinary_batch`, or for a tokenizer.json `tokenizers`' `encode_batch` (its Rust
+threads). `trained-bpe` trains a 2,000-token byte-level BPE on ../shared/corpora first (offline
+machines have no hub tokenizer). Converter: `python convert/owt_to_mds.py --tokenizer ...` end to
+end, process start and imports included.
 Peak RSS is that of the largest process of the conversion, at half and at full corpus size.
 The converter also runs with `--state-interval 0` (its resumable state saved after every batch
 rather than once a minute): the worst case of what resumability costs.
@@ -41,21 +46,40 @@ def build_corpus(path: Path, megabytes: int, seed: int = 0) -> int:
     return written
 
 
-def raw_tokenizer(path: Path, workers: int) -> None:
-    """Child process: print seconds and tokens of encode_ordinary_batch over documents already in memory."""
-    from tokstream.tokenizer import load_tokenizer
+def raw_tokenizer(path: Path, workers: int, name: str) -> None:
+    """Child process: print seconds and tokens of the tokenizer's batch call over documents already in memory."""
+    from tokstream.tokenizer import HuggingFaceTokenizer, load_tokenizer
 
     docs = [json.loads(line)["text"] for line in open(path, encoding="utf-8")]
-    encoding = load_tokenizer("gpt2").encoding
+    tokenizer = load_tokenizer(name)
     started = time.perf_counter()
-    tokens = sum(map(len, encoding.encode_ordinary_batch(docs, num_threads=workers)))
-    print(time.perf_counter() - started, tokens + len(docs))  # + one end-of-text token per document
+    if isinstance(tokenizer, HuggingFaceTokenizer):  # RAYON_NUM_THREADS (set by the parent) sets its threads
+        tokens = sum(len(e.ids) for e in tokenizer.backend.encode_batch(docs, add_special_tokens=False))
+    else:
+        tokens = sum(map(len, tokenizer.encoding.encode_ordinary_batch(docs, num_threads=workers)))
+    print(time.perf_counter() - started, tokens + len(docs))  # + one separator per document
 
 
-def run_child(args: list[str]) -> tuple[float, float, str]:
+def train_bpe(path: Path) -> Path:
+    """A 2,000-token byte-level BPE trained on ../shared/corpora, saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([(CORPORA / n).read_text(encoding="utf-8") for n in
+                                   ("wikitext2_valid.txt", "tinyshakespeare.txt")], trainer)
+    tokenizer.save(str(path))
+    return path
+
+
+def run_child(args: list[str], env: dict | None = None) -> tuple[float, float, str]:
     """Wall seconds, peak RSS (MB, largest process of its tree) and stdout of one fresh process."""
     started = time.perf_counter()
-    child = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, **(env or {})))
     stdout = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage, not every child's so far
     seconds = time.perf_counter() - started
@@ -64,9 +88,10 @@ def run_child(args: list[str]) -> tuple[float, float, str]:
     return seconds, usage.ru_maxrss / 1024, stdout
 
 
-def converter_run(path: Path, out: Path, workers: int, *extra: str) -> tuple[float, float]:
+def converter_run(path: Path, out: Path, workers: int, tokenizer: str, *extra: str) -> tuple[float, float]:
     seconds, rss, _ = run_child([str(ROOT / "convert/owt_to_mds.py"), "--dataset", str(path), "--out", str(out),
-                                 "--num-workers", str(workers), "--no-progress", "--overwrite", *extra])
+                                 "--num-workers", str(workers), "--tokenizer", tokenizer, "--no-progress",
+                                 "--overwrite", *extra])
     return seconds, rss
 
 
@@ -75,25 +100,30 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=160, help="corpus size in MB of text")
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parser.add_argument("--workdir", default=None, help="where to put the corpus and outputs (default: a temp dir)")
+    parser.add_argument("--tokenizer", default="gpt2",
+                        help="tiktoken encoding, tokenizer.json, or trained-bpe (trained here on ../shared/corpora)")
     parser.add_argument("--raw", help=argparse.SUPPRESS)  # internal: run the baseline on this file
     args = parser.parse_args()
     if args.raw:
-        return raw_tokenizer(Path(args.raw), args.workers)
+        return raw_tokenizer(Path(args.raw), args.workers, args.tokenizer)
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         tmp = Path(tmp)
+        tokenizer = str(train_bpe(tmp / "tokenizer.json")) if args.tokenizer == "trained-bpe" else args.tokenizer
         half, full = tmp / "half.jsonl", tmp / "full.jsonl"
         build_corpus(half, args.mb // 2)
         nbytes = build_corpus(full, args.mb)
-        _, rss_half = converter_run(half, tmp / "out_half", args.workers)
-        _, _, raw_out = run_child([__file__, "--raw", str(full), "--workers", str(args.workers)])
+        _, rss_half = converter_run(half, tmp / "out_half", args.workers, tokenizer)
+        _, _, raw_out = run_child([__file__, "--raw", str(full), "--workers", str(args.workers), "--tokenizer",
+                                   tokenizer], env={"RAYON_NUM_THREADS": str(args.workers)})
         raw_s, tokens = float(raw_out.split()[0]), int(raw_out.split()[1])
-        conv_s, rss_full = converter_run(full, tmp / "out_full", args.workers)
-        saving_s, _ = converter_run(full, tmp / "out_saving", args.workers, "--state-interval", "0")
+        conv_s, rss_full = converter_run(full, tmp / "out_full", args.workers, tokenizer)
+        saving_s, _ = converter_run(full, tmp / "out_saving", args.workers, tokenizer, "--state-interval", "0")
 
+    baseline = "tiktoken encode_ordinary_batch" if not tokenizer.endswith(".json") else "tokenizers encode_batch"
     print(f"corpus: {nbytes / 1e6:.0f} MB of text, {tokens / 1e6:.1f} M tokens, {args.workers} workers, "
-          f"{os.cpu_count()} cores")
-    print(f"raw tiktoken encode_ordinary_batch : {raw_s:7.2f} s  {tokens / raw_s / 1e6:6.2f} M tok/s  "
+          f"{os.cpu_count()} cores, tokenizer {args.tokenizer}")
+    print(f"raw {baseline:31s}: {raw_s:7.2f} s  {tokens / raw_s / 1e6:6.2f} M tok/s  "
           f"{nbytes / raw_s / 1e6:6.2f} MB/s")
     print(f"owt_to_mds.py end to end           : {conv_s:7.2f} s  {tokens / conv_s / 1e6:6.2f} M tok/s  "
           f"{nbytes / conv_s / 1e6:6.2f} MB/s")

@@ -3,6 +3,7 @@
 import hashlib
 import itertools
 import multiprocessing
+import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -54,6 +55,8 @@ _WORKER_STATE: dict = {}
 
 
 def _init_worker(spec: TokenizerSpec, seed: int, val_fraction: float, dtype: np.dtype, fingerprints: bool) -> None:
+    # The processes are the parallelism: a tokenizer.json's own threads would only oversubscribe the cores.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tokenizer = load_tokenizer(spec)
     _WORKER_STATE.update(tokenizer=tokenizer, seed=seed, val_fraction=val_fraction, dtype=dtype,
                          fingerprints=fingerprints)
