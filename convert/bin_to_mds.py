@@ -63,7 +63,7 @@ def main() -> None:
                         help="token files for the val split, written in the same run")
     parser.add_argument("--format", choices=FORMATS, default="auto", help="input format (default: detect)")
     parser.add_argument("--vocab-size", type=int, default=None, help="ids are below this (instead of --tokenizer)")
-    parser.add_argument("--separator-id", type=int, default=None, help="the document separator's id (with --vocab-size)")
+    parser.add_argument("--separator-id", type=int, default=None, help="the separator id (with --vocab-size)")
     parser.add_argument("--separator-position", choices=POSITIONS, default="after",
                         help="separator after each document (end-of-text, default) or before it (begin-of-text)")
     add_output_arguments(parser)

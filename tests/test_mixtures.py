@@ -34,7 +34,8 @@ def test_streams_are_set_in_yaml_or_item_by_item_on_the_command_line(tmp_path):
         ("books", "/data/books", "/cache/books", "proportion", 0.25),
         ("code", "s3://bucket/code", "/cache/code", "proportion", 0.05)]
     yaml_file = tmp_path / "mix.yaml"
-    yaml_file.write_text("data:\n  streams:\n    - {remote: /a, name: first, repeat: 2}\n    - {remote: /b, choose: 7}\n")
+    yaml_file.write_text("data:\n  streams:\n    - {remote: /a, name: first, repeat: 2}\n"
+                         "    - {remote: /b, choose: 7}\n")
     loaded = load_config(str(yaml_file), [])
     assert [(s.name, s.weight, s.value) for s in sources(loaded.data)] == [("first", "repeat", 2.0),
                                                                           ("b", "choose", 7)]

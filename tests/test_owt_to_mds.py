@@ -1,8 +1,12 @@
 """convert/owt_to_mds.py: exact token streams, determinism, inputs, interruption and bad input."""
 
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +16,7 @@ import pytest
 from conftest import (ROOT, expected_samples, kill_then_resume, nanogpt_stream, run_script, shakespeare_paragraphs,
                       tagged_lines, tree_bytes, write_jsonl)
 
+from tokstream.errors import UserError
 from tokstream.options import ConversionOptions
 from tokstream.format import read_metadata
 from tokstream.tokenize_docs import is_val_document
@@ -206,7 +211,7 @@ def test_offline_hub_dataset_is_one_clear_line(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     done = run_script("convert/owt_to_mds.py", "--out", tmp_path / "owt", "--max-docs", "10", env=env, timeout=120)
     assert done.returncode == 2
-    assert "could not open hub dataset Skylion007/openwebtext" in done.stderr
+    assert "could not open dataset Skylion007/openwebtext" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "owt").exists() and not (tmp_path / "owt.partial").exists()
 
@@ -223,3 +228,94 @@ def test_local_ranks_file_gives_the_same_tokens_offline(tmp_path, articles):
     assert by_file.returncode == 0, by_file.stderr
     convert([corpus], tmp_path / "b", block_size=64, val_fraction=0)
     assert (tmp_path / "a/train/shard.00000.mds").read_bytes() == (tmp_path / "b/train/shard.00000.mds").read_bytes()
+
+
+def write_parquet_files(directory: Path, docs: list[str], files: int) -> list[int]:
+    """`docs` spread over `files` parquet files (small row groups); returns each file's document count."""
+    directory.mkdir(exist_ok=True)
+    counts = []
+    for index, part in enumerate(np.array_split(np.array(docs, dtype=object), files)):
+        pq.write_table(pa.table({"text": list(part)}), directory / f"part-{index:03d}.parquet", row_group_size=200)
+        counts.append(len(part))
+    return counts
+
+
+def hub_docs(copies: int) -> list[str]:
+    paragraphs = shakespeare_paragraphs()
+    return [f"{copy} {p}" for copy in range(copies) for p in paragraphs]
+
+
+def convert_stream(out: Path, data_files: str, split: str = "train", **parts):
+    """What owt_to_mds.py --dataset parquet --data-files ... runs, in this process (a thin CLI over it)."""
+    from tokstream.cleaning import Cleaning
+    from tokstream.text_conversion import convert_text
+    from tokstream.tokenizer import load_tokenizer
+
+    options = ConversionOptions(block_size=64, val_fraction=0.1, num_workers=1, progress=False)
+    return convert_text(["parquet"], str(out), {"hub_split": split, "data_files": [data_files]}, Cleaning(), options,
+                        load_tokenizer("gpt2"), **parts)
+
+
+def test_a_killed_datasets_stream_continues_where_it_stood_reading_nothing_twice(tmp_path):
+    """Through `datasets`' own streaming (here its parquet builder over local files; a hub dataset takes the
+    same path): after a SIGKILL the rerun continues the stream from the saved position and writes the bytes
+    of an uninterrupted run. The files before that position are then rewritten with other text: a rerun
+    that read them again would write other tokens."""
+    from tokstream.resume import STATE_FILE
+
+    docs = hub_docs(4)  # ~4.5 MB of text: several 1 MB batches
+    pattern = str(tmp_path / "data" / "*.parquet")
+    counts = write_parquet_files(tmp_path / "data", docs, 4)
+    convert_stream(tmp_path / "reference", pattern)
+
+    args = ["--dataset", "parquet", "--data-files", pattern, "--block-size", "64", "--val-fraction", "0.1",
+            "--num-workers", "1", "--no-progress", "--state-interval", "0", "--out", str(tmp_path / "resumed")]
+    process = subprocess.Popen([sys.executable, str(ROOT / "convert/owt_to_mds.py"), *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    state = tmp_path / "resumed.partial" / STATE_FILE
+
+    def documents_saved() -> int:
+        try:
+            with np.load(state) as saved:
+                return json.loads(saved["header"].tobytes())["next_document"]
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    while documents_saved() < counts[0] + counts[1] and process.poll() is None:
+        time.sleep(0.005)
+    process.kill()
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL, "finished before the kill: give the test more text"
+    saved = documents_saved()
+    write_parquet_files(tmp_path / "data", ["other text"] * sum(counts[:2]) + docs[sum(counts[:2]):], 4)
+
+    resumed = run_script("convert/owt_to_mds.py", *args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"the source continues after document {saved:,}, nothing is read twice" in resumed.stdout
+    assert tree_bytes(tmp_path / "resumed") == tree_bytes(tmp_path / "reference")
+
+
+def test_a_datasets_split_and_data_files_are_chosen(tmp_path):
+    write_parquet_files(tmp_path / "data", hub_docs(1)[:600], 2)
+    (tmp_path / "data" / "part-001.parquet").rename(tmp_path / "data" / "held-out.parquet")
+    metadata = convert_stream(tmp_path / "out", str(tmp_path / "data" / "part-*.parquet"), split="validation")
+    assert metadata.splits["train"].documents + metadata.splits["val"].documents == 300  # the files named only
+    assert metadata.source["split"] == "validation"
+    assert metadata.source["data_files"] == [str(tmp_path / "data" / "part-*.parquet")]
+    with pytest.raises(UserError, match=r"could not open dataset parquet, split train: ValueError: At least one "):
+        convert_stream(tmp_path / "refused", str(tmp_path / "data" / "none-*.parquet"))
+    assert not (tmp_path / "refused").exists()
+
+
+def test_a_datasets_stream_in_parts_merges_to_the_one_pass_bytes(tmp_path):
+    """--num-parts for a `datasets` stream: each part a contiguous run of its data files (datasets' own
+    sharding), merged byte-identical to one pass over the same files."""
+    pattern = str(tmp_path / "data" / "*.parquet")
+    write_parquet_files(tmp_path / "data", hub_docs(1), 5)
+    convert_stream(tmp_path / "one", pattern)
+    for part in ("1", "0"):
+        assert convert_stream(tmp_path / "parts", pattern, num_parts=2, part=part) is None
+    convert_stream(tmp_path / "parts", pattern, num_parts=2, merge=True)
+    assert tree_bytes(tmp_path / "parts") == tree_bytes(tmp_path / "one")
+    with pytest.raises(UserError, match="--num-parts 6 exceeds the dataset's 5 data files"):
+        convert_stream(tmp_path / "six", pattern, num_parts=6)

@@ -63,7 +63,7 @@ def text_options(args: argparse.Namespace) -> ConversionOptions:
 
 def add_parts_arguments(parser: argparse.ArgumentParser) -> None:
     """Conversion in parts: over several machines, or resumable part by part on one."""
-    group = parser.add_argument_group("parts (local inputs; see tokstream/text_parts.py)")
+    group = parser.add_argument_group("parts (local files, or a datasets stream by data file; text_parts.py)")
     group.add_argument("--num-parts", type=int, default=None,
                        help="split the input files into N parts; alone: run every unfinished part, then merge")
     group.add_argument("--part", default=None,

@@ -84,13 +84,15 @@ class SplitState:
     pending: np.ndarray  # tokens the packer holds towards the next sample
 
 
-def save_state(directory: Path, next_document: int, splits: dict[str, SplitState]) -> None:
+def save_state(directory: Path, next_document: int, splits: dict[str, SplitState], source: dict | None = None) -> None:
     """Replace the saved state atomically: a kill during the write leaves the previous one.
 
     A resumed run reads the input again from the start, so cleaning, dedup and the source's
-    counters see every document again, and tokenizes only from `next_document` on.
+    counters see every document again, and tokenizes only from `next_document` on; or, given
+    `source` (the source's position after document `next_document` and the counters so far,
+    JSON), continues the source from that position without reading what came before.
     """
-    header = {"next_document": next_document,
+    header = {"next_document": next_document, "source": source,
               "splits": {name: {"shards": s.shards, "documents": s.documents, "tokens": s.tokens,
                                 "samples": s.samples} for name, s in splits.items()}}
     arrays = {"header": np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)}
@@ -103,9 +105,10 @@ def save_state(directory: Path, next_document: int, splits: dict[str, SplitState
     os.replace(temporary, directory / STATE_FILE)
 
 
-def load_state(directory: Path,
-               shard_intact: Callable[[str, dict], bool]) -> tuple[int, dict[str, SplitState]] | None:
-    """The saved state, if there is one and `shard_intact(split, shard)` holds for every shard it names."""
+def load_state(directory: Path, shard_intact: Callable[[str, dict], bool]
+               ) -> tuple[int, dict[str, SplitState], dict | None] | None:
+    """The saved state (next document, splits, source position), if there is one and
+    `shard_intact(split, shard)` holds for every shard it names."""
     path = directory / STATE_FILE
     if not path.is_file():
         return None
@@ -116,7 +119,7 @@ def load_state(directory: Path,
     for name, split in splits.items():
         if not all(shard_intact(name, shard) for shard in split.shards):
             return None
-    return header["next_document"], splits
+    return header["next_document"], splits, header.get("source")
 
 
 def discard_state(directory: Path) -> None:

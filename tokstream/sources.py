@@ -1,7 +1,12 @@
-"""Where documents come from: local .txt/.jsonl/.json/.parquet files or a Hugging Face hub dataset.
+"""Where documents come from: local .txt/.jsonl/.json/.parquet files or a Hugging Face `datasets` dataset.
 
 Every source yields document texts one at a time, in a fixed order, so a corpus
 is never held in memory and the same input always gives the same stream.
+
+A `datasets` source (a hub dataset, with its configuration, split and data-file patterns, or a
+builder such as "parquet" over local data files) streams through `datasets`' IterableDataset,
+whose own state (`position()`, `resume_at()`) lets an interrupted conversion continue where it
+stood instead of streaming the dataset again from its start.
 """
 
 import json
@@ -35,9 +40,23 @@ class DocumentSource:
     description: dict
     stats: SourceStats = field(default_factory=SourceStats)
     _iterate: object = None  # callable(stats) -> Iterator[str]
+    _position: object = None  # callable() -> the state after the last document yielded; None: cannot say
+    _resume: object = None  # callable(state): the next iteration starts at that state
 
     def __iter__(self) -> Iterator[str]:
         return self._iterate(self.stats)
+
+    @property
+    def resumable(self) -> bool:
+        """Whether the source can continue from a position itself (else a resumed run re-reads it)."""
+        return self._position is not None
+
+    def position(self) -> dict | None:
+        """The state right after the last document yielded, for `resume_at`; None if it cannot say."""
+        return self._position() if self._position is not None else None
+
+    def resume_at(self, state: dict) -> None:
+        self._resume(state)
 
 
 def open_source(
@@ -46,12 +65,21 @@ def open_source(
     txt_docs: str = "file",
     revision: str | None = None,
     hub_split: str = "train",
+    hub_config: str | None = None,
+    data_files: list[str] | None = None,
+    part: tuple[int, int] | None = None,
 ) -> DocumentSource:
-    """Resolve the inputs (local paths, or one hub dataset name) into a DocumentSource."""
+    """Resolve the inputs (local paths, or one hub dataset name or `datasets` builder) into a DocumentSource."""
     if txt_docs not in TXT_DOC_MODES:
         raise UserError(f"--txt-docs must be one of {', '.join(TXT_DOC_MODES)}, not {txt_docs!r}")
-    if len(inputs) == 1 and not os.path.exists(inputs[0]) and HUB_NAME.match(inputs[0]):
-        return _hub_source(inputs[0].removeprefix("hf://"), text_column, revision, hub_split)
+    hub = len(inputs) == 1 and not os.path.exists(inputs[0]) and HUB_NAME.match(inputs[0])
+    if hub or data_files:
+        if len(inputs) != 1:
+            raise UserError("--data-files go with one dataset: a hub name, or a datasets builder such as parquet")
+        return _hub_source(inputs[0].removeprefix("hf://"), text_column, revision, hub_split, hub_config,
+                           data_files, part)
+    if hub_config:
+        raise UserError(f"--name {hub_config} names a configuration of a hub dataset, and {inputs} are local files")
     files = _local_files(inputs)
     for path in files:
         _check_text_column(path, text_column)
@@ -181,22 +209,57 @@ def _split_txt(path: Path, txt_docs: str, stats: SourceStats) -> Iterator[str]:
         yield "".join(paragraph).rstrip("\r\n")
 
 
-def _hub_source(name: str, text_column: str, revision: str | None, split: str) -> DocumentSource:
-    """A hub dataset in streaming mode, so the full download cache is optional."""
+def open_datasets_stream(name: str, config: str | None, split: str, revision: str | None,
+                         data_files: list[str] | None):
+    """`datasets`' IterableDataset for a hub dataset or a builder over data files, streamed."""
+    import datasets  # heavy import, only for these inputs
+
+    where = f"{name}" + (f" ({config})" if config else "") + (f", revision {revision}" if revision else "")
+    try:
+        return datasets.load_dataset(name, config, split=split, revision=revision, streaming=True,
+                                     data_files={split: data_files} if data_files else None)
+    except Exception as err:
+        raise UserError(
+            f"could not open dataset {where}, split {split}: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}. Offline? use local files instead"
+        ) from None
+
+
+def datasets_part(stream, part: tuple[int, int] | None):
+    """Part I of N of a stream: a contiguous run of its data files, so the parts in order are the whole."""
+    if part is None:
+        return stream
+    index, num_parts = part
+    if num_parts > stream.n_shards:
+        raise UserError(f"--num-parts {num_parts} exceeds the dataset's {stream.n_shards} data files; parts are "
+                        "whole files")
+    return stream.shard(num_parts, index, contiguous=True)
+
+
+def _hub_source(name: str, text_column: str, revision: str | None, split: str, config: str | None = None,
+                data_files: list[str] | None = None, part: tuple[int, int] | None = None) -> DocumentSource:
+    """A `datasets` dataset in streaming mode (the full download cache is optional) that can resume itself;
+    with `part` (I, N), part I of N of its data files."""
     description = {"kind": "huggingface", "dataset": name, "revision": revision, "split": split,
                    "text_column": text_column}
+    if config:
+        description["name"] = config
+    if data_files:
+        description["data_files"] = list(data_files)
+    live: dict = {}  # the IterableDataset being iterated, and a state to start the next iteration at
 
     def iterate(stats: SourceStats) -> Iterator[str]:
-        import datasets  # heavy import, only for hub inputs
-
-        try:
-            stream = datasets.load_dataset(name, split=split, revision=revision, streaming=True)
-        except Exception as err:
-            raise UserError(
-                f"could not open hub dataset {name} (revision {revision}): {type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}. Offline? use local files instead"
-            ) from None
+        stream = datasets_part(open_datasets_stream(name, config, split, revision, data_files), part)
+        if "resume" in live:
+            stream.load_state_dict(live.pop("resume"))
+        live["stream"] = stream
         for lineno, record in enumerate(stream, start=1):
             yield _text_of(record, text_column, Path(f"hf://{name}"), lineno)
 
-    return DocumentSource(description, _iterate=iterate)
+    def position() -> dict:
+        return live["stream"].state_dict()
+
+    def resume(state: dict) -> None:
+        live["resume"] = state
+
+    return DocumentSource(description, _iterate=iterate, _position=position, _resume=resume)

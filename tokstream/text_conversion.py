@@ -27,19 +27,20 @@ def convert_text(inputs: list[str], out: str, source_kwargs: dict, cleaning: Cle
             raise UserError("--part and --merge need --num-parts")
         stats = CleaningStats()
         documents = clean_documents(source, cleaning, stats)
-        return convert_documents(source, tokenizer, out, options, documents=documents, reports=(stats,))
+        return convert_documents(source, tokenizer, out, options, documents=documents, reports=(stats,),
+                                 rereading_needed=cleaning.dedup_memory is not None)
 
-    if source.description["kind"] != "local":
-        raise UserError("--num-parts needs local input files (a hub dataset streams as one part)")
     if options.max_docs is not None:
         raise UserError("--max-docs cannot be combined with --num-parts")
     if not is_s3(out):
         refuse_existing_output(out, options.overwrite)  # before tokenizing parts for an output we may not write
-    assignment = assign_files(source.description["files"], num_parts)
+    hub = source.description["kind"] != "local"  # a datasets stream: each part a run of its data files
+    assignment = None if hub else assign_files(source.description["files"], num_parts)
     index = resolve_part(part, num_parts)
     todo = [] if merge else [index] if index is not None else list(range(num_parts))
     for number in todo:
-        part_source = open_source(assignment[number], **source_kwargs)
+        part_source = (open_source(inputs, **source_kwargs, part=(number, num_parts)) if hub else
+                       open_source(assignment[number], **source_kwargs))
         written = convert_part(part_source, number, num_parts, out, tokenizer, options, cleaning)
         print(f"part {number} of {num_parts}: {'written' if written else 'already complete, kept'}")
     if index is not None:

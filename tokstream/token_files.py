@@ -103,4 +103,4 @@ def check_chunk(chunk: np.ndarray, vocab_size: int, token_file: TokenFile, start
     if int(chunk.max()) >= vocab_size:
         offset = start + int(np.argmax(chunk >= vocab_size))
         raise UserError(f"{token_file.path}: token id {int(chunk[offset - start])} at token {offset} is outside "
-                        f"the vocabulary (size {vocab_size}); wrong --tokenizer (or --vocab-size), or not a token file?")
+                        f"the vocabulary (size {vocab_size}); wrong --tokenizer (or --vocab-size), or not token ids?")

@@ -6,7 +6,7 @@ import multiprocessing
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +31,7 @@ class TokenizedBatch:
     train_prints: np.ndarray  # each document's 64-bit fingerprint (cleaning.fingerprint), if asked for
     val_prints: np.ndarray
     chars: int
+    source_position: dict | None = None  # the source's state right after this batch's last document
 
     @property
     def train_docs(self) -> int:
@@ -86,54 +87,67 @@ def _tokenize_batch(texts: list[str]) -> TokenizedBatch:
     )
 
 
-def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
+def _batches(documents: Iterable[str], position: Callable[[], dict | None]) -> Iterator[tuple[list[str], dict | None]]:
+    """Batches of documents, each with the source's position right after its last document."""
     batch: list[str] = []
     chars = 0
     for text in documents:
         batch.append(text)
         chars += len(text)
         if chars >= BATCH_CHARS or len(batch) >= BATCH_DOCS:
-            yield batch
+            yield batch, position()
             batch, chars = [], 0
     if batch:
-        yield batch
+        yield batch, position()
+
+
+def _positioned(batch: TokenizedBatch, position: dict | None) -> TokenizedBatch:
+    batch.source_position = position
+    return batch
 
 
 def tokenize_documents(documents: Iterable[str], tokenizer: Tokenizer, seed: int, val_fraction: float,
-                       dtype: np.dtype, num_workers: int, fingerprints: bool = False) -> Iterator[TokenizedBatch]:
+                       dtype: np.dtype, num_workers: int, fingerprints: bool = False,
+                       position: Callable[[], dict | None] = lambda: None) -> Iterator[TokenizedBatch]:
     """Yield tokenized batches in input order; the output does not depend on num_workers."""
     if num_workers <= 1:
         _WORKER_STATE.update(tokenizer=tokenizer, seed=seed, val_fraction=val_fraction, dtype=dtype,
                              fingerprints=fingerprints)
-        for batch in _batches(documents):
-            yield _tokenize_batch(batch)
+        for batch, where in _batches(documents, position):
+            yield _positioned(_tokenize_batch(batch), where)
         return
     # forkserver, not fork: the parent may be importing torch in a thread meanwhile.
     context = multiprocessing.get_context("forkserver")
     init_args = (tokenizer.spec, seed, val_fraction, dtype, fingerprints)
     with context.Pool(num_workers, initializer=_init_worker, initargs=init_args) as pool:
         in_flight: deque = deque()
-        for batch in _batches(documents):
-            in_flight.append(pool.apply_async(_tokenize_batch, (batch,)))
+        for batch, where in _batches(documents, position):
+            in_flight.append((pool.apply_async(_tokenize_batch, (batch,)), where))
             if len(in_flight) >= 2 * num_workers:
-                yield in_flight.popleft().get()
+                result, where = in_flight.popleft()
+                yield _positioned(result.get(), where)
         while in_flight:
-            yield in_flight.popleft().get()
+            result, where = in_flight.popleft()
+            yield _positioned(result.get(), where)
 
 
 def tokenized_batches(documents: Iterable[str], tokenizer: Tokenizer, options: ConversionOptions,
-                      dtype, fingerprints: bool = False, skip: int = 0) -> Iterator[TokenizedBatch]:
-    """Tokenized batches in input order, behind a progress bar (docs/s, tokens/s).
+                      dtype, fingerprints: bool = False, skip: int = 0, done: int = 0,
+                      position: Callable[[], dict | None] = lambda: None) -> Iterator[TokenizedBatch]:
+    """Tokenized batches in input order, behind a progress bar (docs/s, tokens/s), each with the source's
+    `position()` after its last document.
 
-    The first `skip` documents are read (and pass through any cleaning) but not tokenized.
+    The first `skip` documents are read (and pass through any cleaning) but not tokenized; `done`
+    documents were converted before and are not in `documents` at all (a source resumed at its position).
     """
-    documents = itertools.islice(itertools.islice(documents, options.max_docs), skip, None)
+    limit = None if options.max_docs is None else options.max_docs - done
+    documents = itertools.islice(itertools.islice(documents, limit), skip, None)
     started = time.monotonic()
     total_tokens = 0
     with tqdm(unit=" docs", desc="tokenizing", disable=not options.progress, total=options.max_docs,
-              initial=skip, smoothing=0.1, delay=2) as bar:
+              initial=skip + done, smoothing=0.1, delay=2) as bar:
         for batch in tokenize_documents(documents, tokenizer, options.seed, options.val_fraction, dtype,
-                                        options.num_workers, fingerprints):
+                                        options.num_workers, fingerprints, position):
             yield batch
             total_tokens += len(batch.train) + len(batch.val)
             bar.update(batch.train_docs + batch.val_docs)

@@ -159,7 +159,8 @@ def verify_dataset(root: str | Path) -> VerifyReport:
         if stats.samples and stats.samples * metadata.block_size + 1 + stats.dropped_tokens != stats.tokens:
             problems.append(f"{split}: samples, block size and dropped tokens do not add up to {stats.tokens} tokens")
         if split_report.separator_tokens > stats.documents:
-            problems.append(f"{split}: {split_report.separator_tokens} separator tokens but {stats.documents} documents")
+            problems.append(f"{split}: {split_report.separator_tokens} separator tokens but {stats.documents} "
+                            "documents")
     return report
 
 

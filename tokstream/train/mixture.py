@@ -144,5 +144,6 @@ def describe_epoch(sources: list[Source], split_samples: list[int], counts: list
         left_out = split_samples[0] - epoch
         return head + (f", {left_out} of the split left out of each epoch (a different few each time)" if left_out
                        else ", the whole split")
-    shares = [f"{s.name} {c} ({c / epoch:.1%}, {c / n:.2f}x its {n})" for s, c, n in zip(sources, counts, split_samples)]
+    shares = [f"{source.name} {count} ({count / epoch:.1%}, {count / samples:.2f}x its {samples})"
+              for source, count, samples in zip(sources, counts, split_samples)]
     return head + ": " + ", ".join(shares)
