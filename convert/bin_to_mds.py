@@ -7,8 +7,12 @@
     python convert/bin_to_mds.py 'edu_fineweb10B/*_train_*.bin' --val 'edu_fineweb10B/*_val_*.bin' \
         --tokenizer llama3/tokenizer.json --out data/fineweb-llama3        # llm.c's Llama-3 shards
     python convert/bin_to_mds.py ids.npy --vocab-size 128256 --separator-id 128000 --separator-position before ...
+    python convert/bin_to_mds.py \
+        'hf://datasets/karpathy/fineweb-edu-100B-gpt2-token-shards/edu_fineweb_train_00000[2-9].bin' \
+        --val hf://datasets/karpathy/fineweb-edu-100B-gpt2-token-shards/edu_fineweb_train_000001.bin --out data/edu
 
-Inputs are concatenated in the order given (a quoted glob expands sorted) into one split. The ids'
+Inputs are concatenated in the order given (a quoted glob expands sorted) into one split. URLs (hf://
+hub files, file://) are fetched one at a time into --staging (or the temp dir), at most two at once. The ids'
 range and the document separator come from --tokenizer (default gpt2), or for files whose tokenizer
 is at hand by name only, from --vocab-size and --separator-id.
 """
@@ -23,22 +27,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 
 from tokstream.cli import add_output_arguments, output_options, summary  # noqa: E402
 from tokstream.errors import UserError, run_cli  # noqa: E402
+from tokstream.remote_token_files import expand_url, is_url  # noqa: E402
 from tokstream.token_conversion import Vocabulary, convert_token_files  # noqa: E402
-from tokstream.token_files import FORMATS, LLMC_LLAMA3_MAGIC, TokenFile, open_token_file  # noqa: E402
+from tokstream.token_files import FORMATS, LLMC_LLAMA3_MAGIC, open_token_file  # noqa: E402
 from tokstream.tokenizer import POSITIONS, load_tokenizer  # noqa: E402
 
 
-def expand(patterns: list[str]) -> list[str]:
-    paths: list[str] = []
+def open_inputs(patterns: list[str], fmt: str) -> list:
+    """Local files (globs expand sorted), opened; URLs (hf://, file://) listed, fetched one at a time later."""
+    files: list = []
     for pattern in patterns:
+        if is_url(pattern):
+            files.extend(expand_url(pattern, fmt))
+            continue
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not matches:
             raise UserError(f"{pattern} matches no file")
-        paths.extend(matches)
-    return paths
+        files.extend(open_token_file(path, fmt) for path in matches)
+    return files
 
 
-def vocabulary(args: argparse.Namespace, files: list[TokenFile]) -> Vocabulary:
+def vocabulary(args: argparse.Namespace, files: list) -> Vocabulary:
     """From --vocab-size/--separator-id when given, else from --tokenizer."""
     if args.vocab_size is not None or args.separator_id is not None:
         if args.vocab_size is None or args.separator_id is None:
@@ -71,13 +80,13 @@ def main() -> None:
 
     started = time.monotonic()
     options = output_options(args)
-    files = {args.split: [open_token_file(path, args.format) for path in expand(args.inputs)]}
+    files = {args.split: open_inputs(args.inputs, args.format)}
     if args.val:
         if args.split == "val":
             raise UserError("--val with --split val: name the other split with --split")
-        files["val"] = [open_token_file(path, args.format) for path in expand(args.val)]
-    every_file = [f for split_files in files.values() for f in split_files]
-    metadata = convert_token_files(files, args.out, vocabulary(args, every_file), options)
+        files["val"] = open_inputs(args.val, args.format)
+    first_files = [split_files[0] for split_files in files.values()]  # a URL's header is a request: one per split
+    metadata = convert_token_files(files, args.out, vocabulary(args, first_files), options)
     print(summary(metadata, args.out, time.monotonic() - started))
 
 

@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -126,3 +127,57 @@ def test_partial_output_of_other_inputs_is_not_resumed(tmp_path, stream):
     (tmp_path / "out.partial" / ".resume-key.json").write_text('{"inputs": "something else"}')
     done = run_script("convert/bin_to_mds.py", tmp_path / "a.bin", "--out", tmp_path / "out", "--block-size", "64")
     assert done.returncode == 2 and "of other inputs or settings" in done.stderr
+
+
+def test_token_shards_behind_a_url_are_fetched_one_at_a_time_and_resume_without_refetching(tmp_path, stream,
+                                                                                            monkeypatch):
+    """FineWeb-Edu's GPT-2 token shards as the hub publishes them (llm.c shards), one held out for val,
+    through a URL pattern: file://, the same fsspec path as hf:// without a network. The output equals
+    the local files' conversion; at most two shards are staged at any time; a conversion interrupted at
+    the third fetch resumes without fetching the shards its verified output already holds."""
+    from tokstream import remote_token_files
+    from tokstream.options import ConversionOptions
+    from tokstream.token_conversion import Vocabulary, convert_token_files
+    from tokstream.token_files import open_token_file
+    from tokstream.tokenizer import load_tokenizer
+
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    for index, piece in enumerate(np.array_split(stream[:300_000], 6)):
+        write_llmc(hub / f"edu_fineweb_train_{index:06d}.bin", piece)
+    train, val = f"file://{hub}/edu_fineweb_train_00000[1-5].bin", f"file://{hub}/edu_fineweb_train_000000.bin"
+    vocabulary = Vocabulary.of(load_tokenizer("gpt2"))
+    options = ConversionOptions(block_size=256, shard_size="64kb", progress=False, staging_dir=str(tmp_path / "stage"))
+    (tmp_path / "stage").mkdir()
+    local = {"train": [open_token_file(p) for p in sorted(hub.glob("*_00000[1-5].bin"))],
+             "val": [open_token_file(hub / "edu_fineweb_train_000000.bin")]}
+    convert_token_files(local, str(tmp_path / "local"), vocabulary, options)
+
+    fetched, staged = [], []
+    real_fetch = remote_token_files.fetch_file
+
+    def watched_fetch(remote, target):
+        staged.append(len([p for p in (tmp_path / "stage").rglob("*") if p.is_file()]))  # before this download
+        if len(fetched) == 2 and interrupt:
+            raise KeyboardInterrupt  # Ctrl-C as the third shard starts downloading
+        fetched.append(Path(remote.fs_path).name)
+        return real_fetch(remote, target)
+
+    monkeypatch.setattr(remote_token_files, "fetch_file", watched_fetch)
+    urls = {"train": remote_token_files.expand_url(train, "auto"), "val": remote_token_files.expand_url(val, "auto")}
+    interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        convert_token_files(urls, str(tmp_path / "remote"), vocabulary, options)
+    assert (tmp_path / "remote.partial").is_dir() and not (tmp_path / "remote").exists()
+    first_run, fetched[:] = list(fetched), []
+    interrupt = False
+    convert_token_files(urls, str(tmp_path / "remote"), vocabulary, options)
+
+    assert first_run == ["edu_fineweb_train_000001.bin", "edu_fineweb_train_000002.bin"]
+    assert "edu_fineweb_train_000001.bin" not in fetched  # its tokens were all in the verified shards
+    assert fetched[-1] == "edu_fineweb_train_000000.bin"  # the val split
+    assert max(staged) <= 1 and not list((tmp_path / "stage").rglob("*.bin"))  # one staged, one downloading
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(split_samples(tmp_path / "remote", split), split_samples(tmp_path / "local",
+                                                                                               split))
+    assert read_metadata(tmp_path / "remote").source["splits"]["val"]["files"] == [val]

@@ -56,9 +56,9 @@ def text_resume_key(description: dict, tokenizer: list, settings: dict) -> dict:
     return json.loads(json.dumps({"inputs": inputs, "tokenizer": tokenizer, **settings}))
 
 
-def token_files_resume_key(inputs: dict[str, list[tuple[str, str]]], settings: dict) -> dict:
-    """A token-file conversion's key: each split's (path, format) inputs with their stamps."""
-    stamped = {split: [[path, *file_stamp(path), fmt] for path, fmt in files] for split, files in inputs.items()}
+def token_files_resume_key(inputs: dict[str, list[tuple[str, list, str]]], settings: dict) -> dict:
+    """A token-file conversion's key: each split's (path, stamp, format) inputs."""
+    stamped = {split: [[path, *stamp, fmt] for path, stamp, fmt in files] for split, files in inputs.items()}
     return json.loads(json.dumps({"inputs": stamped, **settings}))
 
 

@@ -8,6 +8,8 @@ verifies them and continues from the first sample they do not hold; a finished s
 
 import mmap
 import os
+import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +21,9 @@ from tokstream.errors import UserError
 from tokstream.format import METADATA_FILE, DatasetMetadata, SplitStats, read_metadata, token_dtype, write_metadata
 from tokstream.object_store import is_s3
 from tokstream.options import ConversionOptions
-from tokstream.resume import (SplitState, discard_split_stats, finished_split_stats, read_journal, save_split_stats,
-                              token_files_resume_key)
+from tokstream.resume import (SplitState, discard_split_stats, file_stamp, finished_split_stats, read_journal,
+                              save_split_stats, token_files_resume_key)
+from tokstream.remote_token_files import Fetcher, RemoteTokenFile
 from tokstream.staging import staged_output
 from tokstream.token_files import TokenFile, check_chunk
 
@@ -50,7 +53,7 @@ def _release_pages(tokens: np.ndarray) -> None:
         mapping.madvise(mmap.MADV_DONTNEED)
 
 
-def pack_token_files(files: list[TokenFile], name: str, directory: Path, metadata: DatasetMetadata,
+def pack_token_files(files: list[TokenFile | RemoteTokenFile], name: str, directory: Path, metadata: DatasetMetadata,
                      options: ConversionOptions, on_file=None, resumable: bool = False) -> SplitStats:
     """Write split `name` from the files' concatenated tokens into `directory`."""
     if resumable and (stats := finished_split_stats(directory)) is not None:
@@ -63,20 +66,29 @@ def pack_token_files(files: list[TokenFile], name: str, directory: Path, metadat
                                          buffered=np.empty((0, metadata.sample_length), metadata.np_dtype),
                                          pending=np.empty(0, metadata.np_dtype)))
         print(f"resuming {directory.name}: {len(done)} shards verified, continuing at token {skip:,}")
-    total = sum(len(f.tokens) for f in files)
-    with tqdm(total=total, unit="tok", unit_scale=True, desc="packing", disable=not options.progress,
-              delay=2) as bar:
-        offset = 0  # of the current file in the concatenated stream
-        for token_file in files:
-            for start in range(0, len(token_file.tokens), CHUNK_TOKENS):
-                chunk = np.asarray(token_file.tokens[start : start + CHUNK_TOKENS])
-                check_chunk(chunk, metadata.vocab_size, token_file, start)
-                documents = int(np.count_nonzero(chunk == metadata.separator_id))
-                first_new = max(0, skip - (offset + start))  # tokens already in verified shards
-                split.add(chunk[first_new:], documents)
-                bar.update(len(chunk))
-                _release_pages(token_file.tokens)
-            offset += len(token_file.tokens)
+    remote = any(isinstance(f, RemoteTokenFile) for f in files)
+    fetcher = Fetcher(Path(tempfile.mkdtemp(prefix="tokstream-fetch-", dir=options.staging_dir)),
+                      say=tqdm.write) if remote else None
+    total = None if remote else sum(len(f.tokens) for f in files)
+    try:
+        with tqdm(total=total, unit="tok", unit_scale=True, desc="packing", disable=not options.progress,
+                  delay=2) as bar:
+            offset = 0  # of the current file in the concatenated stream
+            for index, item in enumerate(files):
+                if isinstance(item, RemoteTokenFile):
+                    if skip and offset + (length := item.token_count()) <= skip:  # all in verified shards
+                        offset += length
+                        continue
+                    following = next((f for f in files[index + 1:] if isinstance(f, RemoteTokenFile)), None)
+                    opened = fetcher.opened(item, following)
+                else:
+                    opened = nullcontext(item)
+                with opened as token_file:
+                    _pack_file(token_file, split, metadata, offset, skip, bar)
+                    offset += len(token_file.tokens)
+    finally:
+        if fetcher is not None:
+            fetcher.close()
     if split.packer.samples == 0:
         raise UserError(f"{split.packer.tokens} tokens in all inputs: fewer than one sample of block_size + 1 = "
                         f"{metadata.block_size + 1}")
@@ -86,7 +98,20 @@ def pack_token_files(files: list[TokenFile], name: str, directory: Path, metadat
     return stats
 
 
-def convert_token_files(files_by_split: dict[str, list[TokenFile]], out: str, vocabulary: Vocabulary,
+def _pack_file(token_file: TokenFile, split: SplitWriter, metadata: DatasetMetadata, offset: int, skip: int,
+               bar: tqdm) -> None:
+    """Add one file's tokens from `skip` on (of the concatenated stream, where this file starts at `offset`)."""
+    for start in range(0, len(token_file.tokens), CHUNK_TOKENS):
+        chunk = np.asarray(token_file.tokens[start : start + CHUNK_TOKENS])
+        check_chunk(chunk, metadata.vocab_size, token_file, start)
+        documents = int(np.count_nonzero(chunk == metadata.separator_id))
+        first_new = max(0, skip - (offset + start))  # tokens already in verified shards
+        split.add(chunk[first_new:], documents)
+        bar.update(len(chunk))
+        _release_pages(token_file.tokens)
+
+
+def convert_token_files(files_by_split: dict[str, list[TokenFile | RemoteTokenFile]], out: str, vocabulary: Vocabulary,
                         options: ConversionOptions) -> DatasetMetadata:
     """Write dataset `out` with these splits; into an existing local dataset, add (or replace) them.
 
@@ -120,7 +145,8 @@ def convert_token_files(files_by_split: dict[str, list[TokenFile]], out: str, vo
 
 def _resume_key(files_by_split: dict[str, list[TokenFile]], metadata: DatasetMetadata,
                 options: ConversionOptions) -> dict:
-    inputs = {split: [(str(f.path), f.format) for f in files] for split, files in files_by_split.items()}
+    inputs = {split: [(str(f.path), f.stamp() if isinstance(f, RemoteTokenFile) else file_stamp(f.path), f.format)
+                      for f in files] for split, files in files_by_split.items()}
     return token_files_resume_key(inputs, {"block_size": options.block_size, "vocab_size": metadata.vocab_size,
                                            "separator": [metadata.separator_id, metadata.separator_position],
                                            **options.writer_settings})
