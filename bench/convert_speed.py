@@ -11,6 +11,9 @@ threads). `trained-bpe` trains a 2,000-token byte-level BPE on ../shared/corpora
 machines have no hub tokenizer). Converter: `python convert/owt_to_mds.py --tokenizer ...` end to
 end, process start and imports included.
 Peak RSS is that of the largest process of the conversion, at half and at full corpus size.
+The parent's own CPU (reading, batching, packing, writing; not the tokenizer processes, start-up
+included) per million tokens says how many tokenizer cores one parent can feed: at the raw
+tokenizer's per-core rate, it saturates at 1 / (per-core rate x parent CPU per token) cores.
 The converter also runs with `--state-interval 0` (its resumable state saved after every batch
 rather than once a minute): the worst case of what resumability costs.
 """
@@ -75,8 +78,9 @@ def train_bpe(path: Path) -> Path:
     return path
 
 
-def run_child(args: list[str], env: dict | None = None) -> tuple[float, float, str]:
-    """Wall seconds, peak RSS (MB, largest process of its tree) and stdout of one fresh process."""
+def run_child(args: list[str], env: dict | None = None) -> tuple[float, float, str, float]:
+    """Wall seconds, peak RSS (MB, largest process of its tree), stdout and the process's own CPU seconds
+    (its tokenizer processes, children of the forkserver, not included) of one fresh process."""
     started = time.perf_counter()
     child = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True,
                              env=dict(os.environ, **(env or {})))
@@ -85,14 +89,14 @@ def run_child(args: list[str], env: dict | None = None) -> tuple[float, float, s
     seconds = time.perf_counter() - started
     if status != 0:
         raise SystemExit(f"{args} failed with status {status}")
-    return seconds, usage.ru_maxrss / 1024, stdout
+    return seconds, usage.ru_maxrss / 1024, stdout, usage.ru_utime + usage.ru_stime
 
 
-def converter_run(path: Path, out: Path, workers: int, tokenizer: str, *extra: str) -> tuple[float, float]:
-    seconds, rss, _ = run_child([str(ROOT / "convert/owt_to_mds.py"), "--dataset", str(path), "--out", str(out),
+def converter_run(path: Path, out: Path, workers: int, tokenizer: str, *extra: str) -> tuple[float, float, float]:
+    seconds, rss, _, cpu = run_child([str(ROOT / "convert/owt_to_mds.py"), "--dataset", str(path), "--out", str(out),
                                  "--num-workers", str(workers), "--tokenizer", tokenizer, "--no-progress",
                                  "--overwrite", *extra])
-    return seconds, rss
+    return seconds, rss, cpu
 
 
 def main() -> None:
@@ -113,12 +117,12 @@ def main() -> None:
         half, full = tmp / "half.jsonl", tmp / "full.jsonl"
         build_corpus(half, args.mb // 2)
         nbytes = build_corpus(full, args.mb)
-        _, rss_half = converter_run(half, tmp / "out_half", args.workers, tokenizer)
-        _, _, raw_out = run_child([__file__, "--raw", str(full), "--workers", str(args.workers), "--tokenizer",
+        _, rss_half, _ = converter_run(half, tmp / "out_half", args.workers, tokenizer)
+        _, _, raw_out, _ = run_child([__file__, "--raw", str(full), "--workers", str(args.workers), "--tokenizer",
                                    tokenizer], env={"RAYON_NUM_THREADS": str(args.workers)})
         raw_s, tokens = float(raw_out.split()[0]), int(raw_out.split()[1])
-        conv_s, rss_full = converter_run(full, tmp / "out_full", args.workers, tokenizer)
-        saving_s, _ = converter_run(full, tmp / "out_saving", args.workers, tokenizer, "--state-interval", "0")
+        conv_s, rss_full, parent_cpu = converter_run(full, tmp / "out_full", args.workers, tokenizer)
+        saving_s, _, _ = converter_run(full, tmp / "out_saving", args.workers, tokenizer, "--state-interval", "0")
 
     baseline = "tiktoken encode_ordinary_batch" if not tokenizer.endswith(".json") else "tokenizers encode_batch"
     print(f"corpus: {nbytes / 1e6:.0f} MB of text, {tokens / 1e6:.1f} M tokens, {args.workers} workers, "
@@ -133,6 +137,10 @@ def main() -> None:
           f"ratio_state_every_batch_vs_default={conv_s / saving_s:.2f}")
     print(f"peak RSS (largest process): {rss_half:.0f} MB at {args.mb // 2} MB of text, "
           f"{rss_full:.0f} MB at {args.mb} MB of text")
+    per_core = tokens / raw_s / args.workers
+    print(f"parent CPU: {parent_cpu:.2f} s = {parent_cpu / tokens * 1e6:.3f} CPU-s per M tokens (start-up included); "
+          f"at {per_core / 1e6:.2f} M tokens/s per tokenizer core it saturates at "
+          f"{1 / (per_core * parent_cpu / tokens):.0f} cores")
 
 
 if __name__ == "__main__":
