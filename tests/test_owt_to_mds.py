@@ -245,13 +245,13 @@ def hub_docs(copies: int) -> list[str]:
     return [f"{copy} {p}" for copy in range(copies) for p in paragraphs]
 
 
-def convert_stream(out: Path, data_files: str, split: str = "train", **parts):
+def convert_stream(out: Path, data_files: str, split: str = "train", max_docs: int | None = None, **parts):
     """What owt_to_mds.py --dataset parquet --data-files ... runs, in this process (a thin CLI over it)."""
     from tokstream.cleaning import Cleaning
     from tokstream.text_conversion import convert_text
     from tokstream.tokenizer import load_tokenizer
 
-    options = ConversionOptions(block_size=64, val_fraction=0.1, num_workers=1, progress=False)
+    options = ConversionOptions(block_size=64, val_fraction=0.1, num_workers=1, progress=False, max_docs=max_docs)
     return convert_text(["parquet"], str(out), {"hub_split": split, "data_files": [data_files]}, Cleaning(), options,
                         load_tokenizer("gpt2"), **parts)
 
@@ -259,17 +259,19 @@ def convert_stream(out: Path, data_files: str, split: str = "train", **parts):
 def test_a_killed_datasets_stream_continues_where_it_stood_reading_nothing_twice(tmp_path):
     """Through `datasets`' own streaming (here its parquet builder over local files; a hub dataset takes the
     same path): after a SIGKILL past the first file, the rerun continues the stream from the saved position
-    and writes the bytes of an uninterrupted run. The first file is rewritten with other text before the
-    rerun: a rerun that read it again would write other tokens."""
+    and writes the bytes of an uninterrupted run, --max-docs counted from the start. The first file is
+    rewritten with other text before the rerun: a rerun that read it again would write other tokens."""
     from tokstream.resume import STATE_FILE
 
     docs = hub_docs(3)  # ~3.4 MB of text: 1 MB batches, so states are saved within and after the first file
     pattern = str(tmp_path / "data" / "*.parquet")
     counts = write_parquet_files(tmp_path / "data", docs, 3)
-    convert_stream(tmp_path / "reference", pattern)
+    max_docs = len(docs) - counts[2] // 2  # ends half way through the last file
+    convert_stream(tmp_path / "reference", pattern, max_docs=max_docs)
 
     args = ["--dataset", "parquet", "--data-files", pattern, "--block-size", "64", "--val-fraction", "0.1",
-            "--num-workers", "1", "--no-progress", "--state-interval", "0", "--out", str(tmp_path / "resumed")]
+            "--num-workers", "1", "--no-progress", "--state-interval", "0", "--max-docs", str(max_docs),
+            "--out", str(tmp_path / "resumed")]
     process = subprocess.Popen([sys.executable, str(ROOT / "convert/owt_to_mds.py"), *args], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     state = tmp_path / "resumed.partial" / STATE_FILE
@@ -293,6 +295,8 @@ def test_a_killed_datasets_stream_continues_where_it_stood_reading_nothing_twice
     assert resumed.returncode == 0, resumed.stderr
     assert f"the source continues after document {saved:,}, nothing is read twice" in resumed.stdout
     assert tree_bytes(tmp_path / "resumed") == tree_bytes(tmp_path / "reference")
+    metadata = read_metadata(tmp_path / "resumed")
+    assert metadata.splits["train"].documents + metadata.splits["val"].documents == max_docs
 
 
 def test_a_datasets_split_and_data_files_are_chosen(tmp_path):
