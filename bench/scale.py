@@ -7,8 +7,13 @@ The dataset is OpenWebText's size (8.82 M samples of 1,025 tokens, 271 shards of
 by bin_to_mds.py from a sparse .bin, which costs disk but no time to generate (its tokens are all 0,
 which the reader does not care about). For each rank count, that many processes start together with
 torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) and build the training
-loader as train/main.py does (tokstream/train/data.py, micro-batch 12, the whole split as one epoch),
-fresh or resumed at 10%, 50% and 90% of the epoch (streaming's state, as a checkpoint holds it).
+loader as train/main.py does (tokstream/train/data.py, micro-batch 12, the epoch training uses: the
+split cut to whole steps of configs/gpt2-124m-owt.yaml's 480 samples), fresh or resumed at 10%, 50%
+and 90% of the epoch (streaming's state, as a checkpoint holds it).
+
+Cutting the epoch makes streaming draw a fraction of the stream, which its `get_sampling` adds up
+in a Python loop per sample; the fence replaces it with an equal vectorized one
+(tokstream/train/streaming_internals.py). Both are timed here on this dataset's shards, same run.
 
 Each rank reports: seconds from its start to the end of its imports, from there to the first batch,
 and its peak RSS, after imports and after the first batch (the dataset's share is the difference).
@@ -24,12 +29,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
 OWT_SAMPLES = 8_820_000
 BLOCK = 1024
 MICRO_BATCH = 12
+GLOBAL_BATCH = 480  # configs/gpt2-124m-owt.yaml
 
 RANK_SCRIPT = r"""
 import json, os, resource, sys, time
@@ -92,34 +100,58 @@ def run_ranks(root: Path, samples: int, ranks: int, position: float) -> tuple[li
     return reports, added
 
 
+def sampling_times(root: Path, epoch: int) -> str:
+    """streaming's get_sampling against the fence's, on this dataset's shard sizes, for the cut epoch."""
+    from tokstream.train.streaming_internals import get_sampling_vectorized, stock_get_sampling
+
+    index = json.loads((root / "train" / "index.json").read_text())
+    shards = np.array([shard["samples"] for shard in index["shards"]], dtype=np.int64)
+    times, results = [], []
+    for function in (stock_get_sampling, get_sampling_vectorized):
+        started = time.perf_counter()
+        results.append(function(shards, epoch, 1, 9176, 0, True))
+        times.append(time.perf_counter() - started)
+    assert (results[0] == results[1]).all()
+    return (f"streaming get_sampling {times[0]:.2f} s, vectorized {times[1]:.2f} s, same counts per shard: "
+            f"ratio_vectorized_vs_stock={times[1] / times[0]:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--million-tokens", type=int, default=OWT_SAMPLES * BLOCK // 1_000_000 + 1)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--workdir", default=None, help="where the dataset is built (default: beside the clone)")
+    parser.add_argument("--dataset", default=None, help="reuse a dataset this benchmark built (skips build, verify)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(dir=args.workdir or ROOT.parent) as workdir:
-        root, convert_s = build(Path(workdir), args.million_tokens)
+        if args.dataset:
+            root = Path(args.dataset)
+        else:
+            root, convert_s = build(Path(workdir), args.million_tokens)
         samples = json.loads((root / "metadata.json").read_text())["splits"]["train"]["samples"]
+        epoch = samples // GLOBAL_BATCH * GLOBAL_BATCH
         print(f"dataset: {samples:,} samples of {BLOCK + 1} tokens, {len(list((root / 'train').glob('shard.*')))} "
-              f"shards, bin_to_mds.py {convert_s:.1f} s", flush=True)
-        started = time.perf_counter()
-        subprocess.run([sys.executable, str(ROOT / "convert/verify.py"), str(root)], check=True,
-                       stdout=subprocess.DEVNULL)
-        print(f"verify.py: {time.perf_counter() - started:.1f} s", flush=True)
+              f"shards; epochs of {epoch:,} (whole steps of {GLOBAL_BATCH})", flush=True)
+        if not args.dataset:
+            started = time.perf_counter()
+            subprocess.run([sys.executable, str(ROOT / "convert/verify.py"), str(root)], check=True,
+                           stdout=subprocess.DEVNULL)
+            print(f"bin_to_mds.py {convert_s:.1f} s, verify.py {time.perf_counter() - started:.1f} s", flush=True)
         print(f"\n{'ranks':>5} {'start':>6} {'imports_s':>9} {'first_batch_s':>13} {'rss_imports_mb':>14} "
               f"{'rss_peak_mb':>11} {'dataset_mb':>10} {'shm_node_kb':>11}")
         for ranks in args.ranks:
             for position in (0.0, 0.1, 0.5, 0.9):
-                reports, shm = run_ranks(root, samples, ranks, position)
+                reports, shm = run_ranks(root, epoch, ranks, position)
                 worst = max(reports, key=lambda r: r["first_batch_s"])
                 fattest = max(reports, key=lambda r: r["rss_peak_mb"] - r["rss_imports_mb"])
                 where = "fresh" if not position else f"{position:.0%}"
                 print(f"{ranks:>5} {where:>6} {max(r['imports_s'] for r in reports):9.2f} "
                       f"{worst['first_batch_s']:13.2f} {fattest['rss_imports_mb']:14.0f} {fattest['rss_peak_mb']:11.0f} "
                       f"{fattest['rss_peak_mb'] - fattest['rss_imports_mb']:10.0f} {shm / 1024:11.1f}", flush=True)
-    print("\nworst rank shown; goals: first_batch_s < 1, dataset_mb <= 300 per rank")
+        # Last: the parent's memory would otherwise be the ranks' starting peak RSS (inherited at fork).
+        print("\n" + sampling_times(root, epoch), flush=True)
+    print("worst rank shown; goals: first_batch_s < 1, dataset_mb <= 300 per rank")
 
 
 if __name__ == "__main__":

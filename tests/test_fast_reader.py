@@ -152,3 +152,21 @@ def test_tokens_reach_the_model_as_exact_int64_inputs_and_targets(dtype):
     expected = torch.from_numpy(np.stack(rows).astype(np.int64))
     assert inputs.dtype == targets.dtype == torch.int64
     assert torch.equal(inputs, expected[:, :-1]) and torch.equal(targets, expected[:, 1:])
+
+
+def test_the_vectorized_sampling_draws_what_streamings_loop_draws():
+    """How many samples an epoch draws from each shard when it takes a fraction of a stream (every epoch cut
+    to whole steps does): the fence's replacement for streaming's get_sampling, in force in every dataset,
+    against streaming's own function."""
+    from tokstream.train.streaming_internals import (get_sampling_vectorized, stock_get_sampling,
+                                                     vectorized_sampling_in_force)
+
+    assert vectorized_sampling_in_force()
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        shards = rng.integers(1, 60, rng.integers(1, 12)).astype(np.int64)
+        args = (shards, int(rng.integers(0, 4 * shards.sum())), int(rng.choice([1, 1, 1, 2, 3, 7, 100])),
+                int(rng.integers(0, 1000)), int(rng.integers(0, 5)), bool(rng.integers(0, 2)))
+        np.testing.assert_array_equal(get_sampling_vectorized(*args), stock_get_sampling(*args), err_msg=str(args))
+    with pytest.raises(ValueError, match="must be a non-negative integer"):
+        get_sampling_vectorized(shards, -1, 1, 0, 0, True)
