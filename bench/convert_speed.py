@@ -65,17 +65,10 @@ def raw_tokenizer(path: Path, workers: int, name: str) -> None:
 
 def train_bpe(path: Path) -> Path:
     """A 2,000-token byte-level BPE trained on ../shared/corpora, saved as tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokstream.testing.bpe import train_bpe as train
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator([(CORPORA / n).read_text(encoding="utf-8") for n in
-                                   ("wikitext2_valid.txt", "tinyshakespeare.txt")], trainer)
-    tokenizer.save(str(path))
-    return path
+    corpora = [(CORPORA / name).read_text(encoding="utf-8") for name in ("wikitext2_valid.txt", "tinyshakespeare.txt")]
+    return train(path, corpora, ["<|endoftext|>"])
 
 
 def run_child(args: list[str], env: dict | None = None) -> tuple[float, float, str, float]:

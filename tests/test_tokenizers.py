@@ -20,16 +20,9 @@ LLAMA3_VOCAB, BEGIN_OF_TEXT = 128256, 128000
 
 def train_bpe(path, specials: list[str]):
     """A byte-level BPE of 2,000 tokens trained on Tiny Shakespeare, the specials first (ids 0, 1, ...)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokstream.testing.bpe import train_bpe as train
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(shakespeare_paragraphs(), trainer)
-    tokenizer.save(str(path))
-    return path
+    return train(path, shakespeare_paragraphs(), specials)
 
 
 @pytest.fixture(scope="module")

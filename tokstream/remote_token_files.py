@@ -13,11 +13,11 @@ their 1 KB llm.c header (or their size) to know where they end.
 
 import os
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
 
 import numpy as np
 

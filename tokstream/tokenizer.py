@@ -113,12 +113,13 @@ class TiktokenTokenizer(Tokenizer):
     def sha256(self) -> str:
         """The sha256 of the ranks file as tiktoken stores it (base64 token, space, rank, per line)."""
         digest = hashlib.sha256()
+        specials = {self.encoding.encode_single_token(token) for token in self.encoding.special_tokens_set}
         for rank in range(self.encoding.n_vocab):
+            if rank in specials:
+                continue
             try:
                 token = self.encoding.decode_single_token_bytes(rank)
             except KeyError:  # a gap in the ranks
-                continue
-            if token.decode("utf-8", "replace") in self.encoding.special_tokens_set:
                 continue
             digest.update(base64.b64encode(token) + b" " + str(rank).encode() + b"\n")
         return digest.hexdigest()

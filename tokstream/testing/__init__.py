@@ -1,1 +1,2 @@
-"""Helpers the tests and the benchmarks share (a loopback S3 server); not used by the converters or training."""
+"""Helpers the tests and the benchmarks share (a loopback S3 server, a trained BPE); not used by the converters or
+training."""

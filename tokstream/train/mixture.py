@@ -70,12 +70,12 @@ def sources(config: DataConfig) -> list[Source]:
         local = stream.local or (os.path.join(config.local, name) if config.local else None)
         resolved.append(Source(key, name, stream.remote, local, weight, value))
     first = resolved[0]
-    for source in resolved[1:]:
+    for index, source in enumerate(resolved[1:], start=1):
         if (source.weight == "proportion") != (first.weight == "proportion"):
             raise UserError(f"{source.where} is weighted by {source.weight or 'nothing'}, {first.where} by "
                             f"{first.weight or 'nothing'}: give every source a proportion, or none of them one "
                             "(repeat, choose or nothing)")
-        for other in resolved[:resolved.index(source)]:
+        for other in resolved[:index]:
             if source.remote.rstrip("/") == other.remote.rstrip("/"):
                 raise UserError(f"{source.where} and {other.where} read the same dataset {source.remote}: "
                                 "give it one source and a larger weight")

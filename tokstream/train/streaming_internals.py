@@ -55,32 +55,19 @@ def get_sampling_vectorized(samples_per_shard: np.ndarray, choose: int, granular
     streaming shuffles the stream's "picks" (one per sample at granularity 1) and adds them up in a
     Python loop until the epoch is full: 12-21 s at OpenWebText's 8.8 M samples on this machine, in
     the node's first rank at every epoch start and every resume, before the first batch
-    (bench/scale.py). Here the running total is a cumulative sum: the picks before the one that
-    fills the epoch count whole, it in part. Equal to streaming's on random inputs
-    (tests/test_fast_reader.py).
+    (bench/scale.py). At streaming's default granularity of one sample per pick, the loop takes the
+    first `remainder` shuffled picks, which is a slice and a count per shard. Equal to streaming's
+    on random inputs (tests/test_fast_reader.py).
     """
     num_samples = int(np.sum(samples_per_shard))
-    if choose < 0 or granularity <= 0 or seed < 0 or epoch < 0 or not choose % num_samples:
-        return stock_get_sampling(samples_per_shard, choose, granularity, seed, epoch, use_epoch)  # its checks
-    num_shards = len(samples_per_shard)
+    if granularity != 1 or choose < 0 or seed < 0 or epoch < 0 or not choose % num_samples:
+        # Its checks, its whole-repeat case, and a sampling_granularity this project never sets.
+        return stock_get_sampling(samples_per_shard, choose, granularity, seed, epoch, use_epoch)
+    # A pick per sample, shuffled with streaming's generator: the first `remainder` picks count, 1 each.
     remainder = choose % num_samples
-    rng = np.random.default_rng(seed + epoch if use_epoch else seed)
-    if granularity == 1:  # streaming's default: a pick per sample, so the first `remainder` picks count, 1 each
-        ordering = rng.permutation(num_samples)
-        shard_of = np.searchsorted(np.cumsum(samples_per_shard), ordering[:remainder], side="right")
-        return samples_per_shard * (choose // num_samples) + np.bincount(shard_of, minlength=num_shards)
-    picks_per_shard = (samples_per_shard + granularity - 1) // granularity
-    pick_shard_ids = np.repeat(np.arange(num_shards), picks_per_shard)
-    samples_per_pick = np.repeat(np.full(num_shards, granularity), picks_per_shard)
-    samples_per_pick[np.cumsum(picks_per_shard) - 1] = samples_per_shard - (picks_per_shard - 1) * granularity
-    ordering = rng.permutation(int(np.sum(picks_per_shard)))
-    sizes = samples_per_pick[ordering]
-    ends = np.cumsum(sizes)
-    crossing = int(np.searchsorted(ends, remainder))  # picks before it are taken whole, it in part, none after
-    whole = ordering[:crossing]
-    extra = np.bincount(pick_shard_ids[whole], weights=sizes[:crossing], minlength=num_shards).astype(np.int64)
-    extra[pick_shard_ids[ordering[crossing]]] += remainder - (int(ends[crossing - 1]) if crossing else 0)
-    return samples_per_shard * (choose // num_samples) + extra
+    ordering = np.random.default_rng(seed + epoch if use_epoch else seed).permutation(num_samples)
+    shard_of = np.searchsorted(np.cumsum(samples_per_shard), ordering[:remainder], side="right")
+    return samples_per_shard * (choose // num_samples) + np.bincount(shard_of, minlength=len(samples_per_shard))
 
 
 streaming_dataset_module.get_sampling = get_sampling_vectorized
