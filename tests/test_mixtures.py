@@ -142,6 +142,10 @@ def test_realised_proportions_match_the_configured_ones_epoch_by_epoch(tmp_path)
     part = [i for _ in range(4) for i in next(batches)["ids"].tolist()]  # 32 samples into the 4th epoch
     share = batches.samples_per_source(part)[0] / len(part)
     assert abs(share - 0.7) <= 3 * math.sqrt(0.7 * 0.3 / len(part))
+    # a mixture smaller than one step is refused at start-up, not left to hang its ranks
+    with pytest.raises(UserError, match="the mixture's weights give an epoch of train fewer samples, fewer than "
+                                        "one step's global_batch_size 96"):
+        data.train_epoch_samples(dataset, "train", BatchPlan(96, 8, 1), 1)
 
 
 def test_a_relaunch_may_move_or_rename_a_source_but_not_reweigh_or_add_one():
