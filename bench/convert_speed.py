@@ -11,9 +11,11 @@ threads). `trained-bpe` trains a 2,000-token byte-level BPE on ../shared/corpora
 machines have no hub tokenizer). Converter: `python convert/owt_to_mds.py --tokenizer ...` end to
 end, process start and imports included.
 Peak RSS is that of the largest process of the conversion, at half and at full corpus size.
-The parent's own CPU (reading, batching, packing, writing; not the tokenizer processes, start-up
-included) per million tokens says how many tokenizer cores one parent can feed: at the raw
-tokenizer's per-core rate, it saturates at 1 / (per-core rate x parent CPU per token) cores.
+The parent's own CPU (reading, handing out chunks, packing, writing; not the tokenizer processes)
+per million tokens says how many tokenizer cores one parent can feed: at the raw tokenizer's
+per-core rate, it saturates at 1 / (per-core rate x parent CPU per token) cores. It is printed
+with start-up (imports, loading the tokenizer) and once running: the full-size run's CPU less the
+half-size run's, over the tokens between them.
 The converter also runs with `--state-interval 0` (its resumable state saved after every batch
 rather than once a minute): the worst case of what resumability costs.
 """
@@ -85,11 +87,14 @@ def run_child(args: list[str], env: dict | None = None) -> tuple[float, float, s
     return seconds, usage.ru_maxrss / 1024, stdout, usage.ru_utime + usage.ru_stime
 
 
-def converter_run(path: Path, out: Path, workers: int, tokenizer: str, *extra: str) -> tuple[float, float, float]:
+def converter_run(path: Path, out: Path, workers: int, tokenizer: str, *extra: str
+                  ) -> tuple[float, float, float, int]:
+    """Wall seconds, peak RSS (MB), the converting process's own CPU seconds, and the tokens written."""
     seconds, rss, _, cpu = run_child([str(ROOT / "convert/owt_to_mds.py"), "--dataset", str(path), "--out", str(out),
                                  "--num-workers", str(workers), "--tokenizer", tokenizer, "--no-progress",
                                  "--overwrite", *extra])
-    return seconds, rss, cpu
+    splits = json.loads((out / "metadata.json").read_text())["splits"]
+    return seconds, rss, cpu, sum(split["tokens"] for split in splits.values())
 
 
 def main() -> None:
@@ -110,12 +115,12 @@ def main() -> None:
         half, full = tmp / "half.jsonl", tmp / "full.jsonl"
         build_corpus(half, args.mb // 2)
         nbytes = build_corpus(full, args.mb)
-        _, rss_half, _ = converter_run(half, tmp / "out_half", args.workers, tokenizer)
+        _, rss_half, cpu_half, tokens_half = converter_run(half, tmp / "out_half", args.workers, tokenizer)
         _, _, raw_out, _ = run_child([__file__, "--raw", str(full), "--workers", str(args.workers), "--tokenizer",
                                    tokenizer], env={"RAYON_NUM_THREADS": str(args.workers)})
         raw_s, tokens = float(raw_out.split()[0]), int(raw_out.split()[1])
-        conv_s, rss_full, parent_cpu = converter_run(full, tmp / "out_full", args.workers, tokenizer)
-        saving_s, _, _ = converter_run(full, tmp / "out_saving", args.workers, tokenizer, "--state-interval", "0")
+        conv_s, rss_full, parent_cpu, tokens_full = converter_run(full, tmp / "out_full", args.workers, tokenizer)
+        saving_s, _, _, _ = converter_run(full, tmp / "out_saving", args.workers, tokenizer, "--state-interval", "0")
 
     baseline = "tiktoken encode_ordinary_batch" if not tokenizer.endswith(".json") else "tokenizers encode_batch"
     print(f"corpus: {nbytes / 1e6:.0f} MB of text, {tokens / 1e6:.1f} M tokens, {args.workers} workers, "
@@ -131,9 +136,11 @@ def main() -> None:
     print(f"peak RSS (largest process): {rss_half:.0f} MB at {args.mb // 2} MB of text, "
           f"{rss_full:.0f} MB at {args.mb} MB of text")
     per_core = tokens / raw_s / args.workers
-    print(f"parent CPU: {parent_cpu:.2f} s = {parent_cpu / tokens * 1e6:.3f} CPU-s per M tokens (start-up included); "
-          f"at {per_core / 1e6:.2f} M tokens/s per tokenizer core it saturates at "
-          f"{1 / (per_core * parent_cpu / tokens):.0f} cores")
+    marginal = (parent_cpu - cpu_half) / (tokens_full - tokens_half)  # start-up cancels out
+    print(f"parent CPU: {parent_cpu:.2f} s = {parent_cpu / tokens * 1e6:.4f} CPU-s per M tokens with start-up; "
+          f"{marginal * 1e6:.4f} per M tokens once running (the {args.mb} MB run less the {args.mb // 2} MB one)")
+    print(f"at {per_core / 1e6:.2f} M tokens/s per tokenizer core, one parent saturates at "
+          f"{1 / (per_core * marginal):.0f} cores (with start-up at this size: {1 / (per_core * parent_cpu / tokens):.0f})")
 
 
 if __name__ == "__main__":

@@ -95,9 +95,10 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def kill_then_resume(script: str, args: list, out: Path, sig: int) -> str:
+def kill_then_resume(script: str, args: list, out: Path, sig: int, between=lambda: None) -> str:
     """Run a converter, send `sig` once it has saved a state mid-run, check that nothing looks
-    complete, rerun the same command and return its output. The caller compares the result."""
+    complete, call `between()`, rerun the same command and return its output. The caller compares
+    the result."""
     import signal
     import time
 
@@ -115,10 +116,21 @@ def kill_then_resume(script: str, args: list, out: Path, sig: int) -> str:
     assert not out.exists() and not (partial / "metadata.json").exists()
     if sig == signal.SIGTERM:  # caught: one line, and the partial output is kept to resume from
         assert "interrupted" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    between()
     resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert not partial.exists()
     return resumed.stdout
+
+
+def saved_state_header(partial: Path) -> dict:
+    """The header of the state a one-pass text conversion saved in `partial`."""
+    import numpy as np
+
+    from tokstream.resume import STATE_FILE
+
+    with np.load(partial / STATE_FILE) as saved:
+        return json.loads(saved["header"].tobytes())
 
 
 def tagged_lines(path: Path, copies: int) -> Path:

@@ -13,7 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import (ROOT, expected_samples, kill_then_resume, nanogpt_stream, run_script, shakespeare_paragraphs,
+from conftest import (ROOT, expected_samples, kill_then_resume, nanogpt_stream, run_script, saved_state_header,
+                      shakespeare_paragraphs,
                       tagged_lines, tree_bytes, write_jsonl)
 
 from tokstream.errors import UserError
@@ -179,13 +180,26 @@ def test_bad_input_gets_one_line_and_no_output(tmp_path, name, files, args, mess
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_killed_conversion_never_looks_complete_and_resumes_exactly(tmp_path, sig):
-    corpus = tagged_lines(tmp_path / "lines.txt", 6)
+    """The rerun continues the file at the saved byte offset: what lies before it is never read again
+    (here it is overwritten, size and modification time kept, and the output is still exact)."""
+    corpus = tagged_lines(tmp_path / "lines.txt", 2)
+    original = corpus.read_bytes()
     args = ["--dataset", corpus, "--txt-docs", "line", "--block-size", "64", "--shard-size", "64kb",
             "--num-workers", "1", "--no-progress", "--val-fraction", "0.1"]
-    output = kill_then_resume("convert/owt_to_mds.py", args, tmp_path / "out", sig)
-    resumed_at = int(re.search(r"the first ([\d,]+) documents", output).group(1).replace(",", ""))
+
+    def overwrite_what_was_read():
+        offset = saved_state_header(tmp_path / "out.partial")["source"]["position"]["offset"]
+        assert 0 < offset < len(original)
+        stamp = os.stat(corpus)
+        corpus.write_bytes(b"#" * offset + original[offset:])
+        os.utime(corpus, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+
+    output = kill_then_resume("convert/owt_to_mds.py", args, tmp_path / "out", sig, overwrite_what_was_read)
+    resumed_at = int(re.search(r"continues after document ([\d,]+), nothing is read twice", output).group(1)
+                     .replace(",", ""))
     assert resumed_at > 0, output
 
+    corpus.write_bytes(original)
     clean = run_script("convert/owt_to_mds.py", *args, "--out", tmp_path / "clean")
     assert clean.returncode == 0, clean.stderr
     assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "clean")

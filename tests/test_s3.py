@@ -124,7 +124,7 @@ def test_a_text_conversion_that_loses_the_store_keeps_its_uploads_and_resumes(pr
     proxy.clear()
     resumed = run_script("convert/owt_to_mds.py", *args, "--out", f"s3://{BUCKET}/lines")
     assert resumed.returncode == 0, resumed.stderr
-    assert int(re.search(r"the first ([\d,]+) documents", resumed.stdout).group(1).replace(",", "")) > 0
+    assert int(re.search(r"continues after document ([\d,]+)", resumed.stdout).group(1).replace(",", "")) > 0
     local = run_script("convert/owt_to_mds.py", *args, "--out", tmp_path / "local")
     assert local.returncode == 0, local.stderr
     assert_store_holds_exactly("lines", tmp_path / "local")

@@ -1,5 +1,6 @@
 """convert/text_to_mds.py: documents per file/line/paragraph, dedup, normalisation, parts and merge."""
 
+import re
 import signal
 import subprocess
 import sys
@@ -101,12 +102,13 @@ def test_part_auto_reads_the_launcher_rank(tmp_path):
 
 
 def test_killed_one_pass_run_with_dedup_resumes_with_the_same_bytes(tmp_path):
-    """The dedup table is not saved: the resumed run rebuilds it by re-reading the input up to the
-    resume point, so it drops exactly the documents an uninterrupted run drops."""
-    corpus = tagged_lines(tmp_path / "lines.txt", 6)
+    """The dedup table is not saved: the resumed run rebuilds it by re-reading (fingerprinting, not
+    tokenizing) the chunks converted before, so it drops exactly the documents an uninterrupted run drops."""
+    corpus = tagged_lines(tmp_path / "lines.txt", 2)
     args = [corpus, "--doc-per", "line", "--normalize", "nfc+whitespace", "--dedup", "--block-size", "64",
             "--shard-size", "64kb", "--num-workers", "1", "--no-progress", "--val-fraction", "0.1"]
-    kill_then_resume("convert/text_to_mds.py", args, tmp_path / "out", signal.SIGKILL)
+    output = kill_then_resume("convert/text_to_mds.py", args, tmp_path / "out", signal.SIGKILL)
+    assert int(re.search(r"re-reading the ([\d,]+) chunks converted before", output).group(1)) > 0, output
     clean = run_script("convert/text_to_mds.py", *args, "--out", tmp_path / "clean")
     assert clean.returncode == 0, clean.stderr
     assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "clean")

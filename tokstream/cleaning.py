@@ -10,7 +10,6 @@ documents share a 64-bit fingerprint with probability about n²/2⁶⁵ (3·10�
 import hashlib
 import re
 import unicodedata
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +73,10 @@ class Cleaning:
     drop_empty: bool = False
     dedup_memory: int | None = None  # bytes of the dedup table; None: no dedup
 
+    def __post_init__(self) -> None:
+        if self.normalize not in NORMALIZE_MODES:
+            raise UserError(f"--normalize must be one of {', '.join(NORMALIZE_MODES)}, not {self.normalize!r}")
+
     def describe(self) -> dict:
         return {"normalize": self.normalize, "drop_empty": self.drop_empty, "dedup": bool(self.dedup_memory)}
 
@@ -84,17 +87,14 @@ class CleaningStats:
     duplicates: int = 0  # documents dropped as exact repeats of an earlier one
 
 
-def clean_documents(documents: Iterable[str], cleaning: Cleaning, stats: CleaningStats) -> Iterator[str]:
-    """Normalise, drop empty documents, and (with a dedup table) drop exact repeats."""
-    if cleaning.normalize not in NORMALIZE_MODES:
-        raise UserError(f"--normalize must be one of {', '.join(NORMALIZE_MODES)}, not {cleaning.normalize!r}")
-    seen = FingerprintSet(cleaning.dedup_memory) if cleaning.dedup_memory else None
-    for text in documents:
+def clean_texts(texts: list[str], cleaning: Cleaning) -> tuple[list[str], int]:
+    """The texts normalised, without the empty ones if asked; and how many were dropped as empty.
+
+    Per document, so it runs in the tokenizer processes; dedup (one table for the whole input) does not."""
+    kept = []
+    for text in texts:
         text = normalize(text, cleaning.normalize)
         if cleaning.drop_empty and not text.strip():
-            stats.empty += 1
             continue
-        if seen is not None and not seen.add(fingerprint(text)):
-            stats.duplicates += 1
-            continue
-        yield text
+        kept.append(text)
+    return kept, len(texts) - len(kept)

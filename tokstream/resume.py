@@ -53,7 +53,8 @@ def text_resume_key(description: dict, tokenizer: list, settings: dict) -> dict:
     inputs = description
     if inputs.get("kind") == "local":
         inputs = {**inputs, "stat": [file_stamp(f) for f in inputs["files"]]}
-    return json.loads(json.dumps({"inputs": inputs, "tokenizer": tokenizer, **settings}))
+    # The state's layout: 2 positions the source by chunk (a state of version 1 cannot be continued).
+    return json.loads(json.dumps({"inputs": inputs, "tokenizer": tokenizer, "state_version": 2, **settings}))
 
 
 def token_files_resume_key(inputs: dict[str, list[tuple[str, list, str]]], settings: dict) -> dict:
@@ -87,10 +88,8 @@ class SplitState:
 def save_state(directory: Path, next_document: int, splits: dict[str, SplitState], source: dict | None = None) -> None:
     """Replace the saved state atomically: a kill during the write leaves the previous one.
 
-    A resumed run reads the input again from the start, so cleaning, dedup and the source's
-    counters see every document again, and tokenizes only from `next_document` on; or, given
-    `source` (the source's position after document `next_document` and the counters so far,
-    JSON), continues the source from that position without reading what came before.
+    `source` (JSON) holds the source's position after document `next_document`, the number of
+    chunks read to get there and the counters so far (text_one_pass.py).
     """
     header = {"next_document": next_document, "source": source,
               "splits": {name: {"shards": s.shards, "documents": s.documents, "tokens": s.tokens,

@@ -1,18 +1,23 @@
 """Where documents come from: local .txt/.jsonl/.json/.parquet files or a Hugging Face `datasets` dataset.
 
-Every source yields document texts one at a time, in a fixed order, so a corpus
-is never held in memory and the same input always gives the same stream.
+A source yields its input as `Chunk`s: runs of whole documents, about a megabyte each, in a fixed
+order, each with the source's position right after it. A local chunk is the bytes as read (or a
+parquet column batch): decoding, JSON parsing and splitting into documents happen in
+`Chunk.documents`, which the converter calls in its tokenizer processes, so the reading process
+never touches a document's text and one reader can feed many tokenizer cores. A corpus is never
+held in memory, and the same input always gives the same documents.
 
-A `datasets` source (a hub dataset, with its configuration, split and data-file patterns, or a
-builder such as "parquet" over local data files) streams through `datasets`' IterableDataset,
-whose own state (`position()`, `resume_at()`) lets an interrupted conversion continue where it
-stood instead of streaming the dataset again from its start.
+Positions make every source resumable: `resume_at(position)` starts the next reading right after
+the chunk that position came from. Local files are positioned by file, byte offset (or parquet
+row) and line; a `datasets` stream (a hub dataset with its configuration, split and data-file
+patterns, or a builder such as "parquet" over local data files) by its own `state_dict()`.
 """
 
+import io
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +29,12 @@ PARQUET_SUFFIXES = {".parquet"}
 SUPPORTED_SUFFIXES = TEXT_SUFFIXES | JSON_SUFFIXES | PARQUET_SUFFIXES
 TXT_DOC_MODES = ("file", "line", "paragraph")
 HUB_NAME = re.compile(r"^(hf://)?[\w.-]+/[\w.-]+$")
+CHUNK_BYTES = 1 << 20  # input read per chunk: large enough to amortise handing it to a worker
+CHUNK_ROWS = 1024  # parquet rows per chunk
+CHUNK_DOCS = 4096  # documents per chunk of a datasets stream (or CHUNK_BYTES of text, whichever first)
+# A blank line made of ASCII whitespace: always a paragraph break (Unicode-only blank lines are too, but
+# are not used as chunk boundaries; the worker still splits on them).
+_BLANK_LINE = re.compile(rb"\n[ \t\r\x0b\x0c]*\n")
 
 
 @dataclass
@@ -32,31 +43,68 @@ class SourceStats:
 
     invalid_utf8_docs: int = 0  # documents whose undecodable bytes became U+FFFD
 
+    def add(self, other: "SourceStats") -> None:
+        self.invalid_utf8_docs += other.invalid_utf8_docs
+
+
+@dataclass
+class Chunk:
+    """A run of whole documents as read, decoded only by `documents` (in a tokenizer process)."""
+
+    kind: str  # jsonl, json-array, txt-file, txt-line, txt-paragraph, parquet, texts
+    payload: object  # the bytes read; a pyarrow string array (parquet); a list of str (texts)
+    path: str
+    text_column: str
+    first_lineno: int  # of the payload's first line, for messages
+    end: dict | None  # the source's position right after this chunk
+
+    def documents(self, stats: SourceStats) -> list[str]:
+        """The chunk's document texts, in order; undecodable bytes are replaced and counted in `stats`."""
+        if self.kind == "texts":
+            return self.payload
+        path = Path(self.path)
+        if self.kind == "parquet":
+            texts = self.payload.to_pylist()
+            if None in texts:
+                raise UserError(f"{path}: column {self.text_column!r} has a null value")
+            return texts
+        if self.kind == "txt-file":
+            return [_decode(self.payload, stats)]
+        if self.kind == "json-array":
+            try:
+                records = json.loads(_decode(self.payload, stats))
+            except json.JSONDecodeError as err:
+                raise UserError(f"{path}: invalid JSON: {err}") from None
+            return [_text_of(record, self.text_column, path, n) for n, record in enumerate(records, start=1)]
+        lines = io.BytesIO(self.payload)  # iterates on b"\n" only, as reading the file does
+        if self.kind == "jsonl":
+            return [_text_of(record, self.text_column, path, lineno)
+                    for lineno, record in _json_lines(lines, path, stats, self.first_lineno)]
+        return list(_split_txt(lines, self.kind.removeprefix("txt-"), stats))
+
 
 @dataclass
 class DocumentSource:
-    """An ordered stream of document texts and a description for the metadata."""
+    """An ordered stream of chunks of documents, resumable at any chunk's end, and a description for the
+    metadata."""
 
     description: dict
+    _chunks: Callable[[dict | None], Iterator[Chunk]]  # the chunks from a position (None: the start)
     stats: SourceStats = field(default_factory=SourceStats)
-    _iterate: object = None  # callable(stats) -> Iterator[str]
-    _position: object = None  # callable() -> the state after the last document yielded; None: cannot say
-    _resume: object = None  # callable(state): the next iteration starts at that state
+    _start: dict | None = None
+
+    def chunks(self) -> Iterator[Chunk]:
+        """The chunks from the start, or from the position given to `resume_at`."""
+        return self._chunks(self._start)
+
+    def resume_at(self, position: dict) -> None:
+        """The next `chunks()` starts right after the chunk whose `end` this is."""
+        self._start = position
 
     def __iter__(self) -> Iterator[str]:
-        return self._iterate(self.stats)
-
-    @property
-    def resumable(self) -> bool:
-        """Whether the source can continue from a position itself (else a resumed run re-reads it)."""
-        return self._position is not None
-
-    def position(self) -> dict | None:
-        """The state right after the last document yielded, for `resume_at`; None if it cannot say."""
-        return self._position() if self._position is not None else None
-
-    def resume_at(self, state: dict) -> None:
-        self._resume(state)
+        """The documents, decoded here (tests, small inputs); counts repairs in `stats`."""
+        for chunk in self.chunks():
+            yield from chunk.documents(self.stats)
 
 
 def open_source(
@@ -86,11 +134,13 @@ def open_source(
     description = {"kind": "local", "files": [str(p) for p in files], "text_column": text_column,
                    "txt_docs": txt_docs}
 
-    def iterate(stats: SourceStats) -> Iterator[str]:
-        for path in files:
-            yield from _read_file(path, text_column, txt_docs, stats)
+    def chunks(start: dict | None) -> Iterator[Chunk]:
+        start = start or {"file": 0}
+        for index in range(start["file"], len(files)):
+            at = start if index == start["file"] else {}
+            yield from _file_chunks(index, files[index], text_column, txt_docs, at)
 
-    return DocumentSource(description, _iterate=iterate)
+    return DocumentSource(description, chunks)
 
 
 def _local_files(inputs: list[str]) -> list[Path]:
@@ -152,59 +202,118 @@ def _text_of(record: object, text_column: str, path: Path, lineno: int) -> str:
     return text
 
 
+def _json_lines(lines: Iterator[bytes], path: Path, stats: SourceStats, first_lineno: int = 1
+                ) -> Iterator[tuple[int, object]]:
+    for lineno, raw in enumerate(lines, start=first_lineno):
+        if not raw.strip():
+            continue
+        try:
+            yield lineno, json.loads(_decode(raw, stats))
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{lineno}: invalid JSON line: {err.msg}") from None
+
+
 def _json_records(path: Path, stats: SourceStats) -> Iterator[tuple[int, object]]:
-    with open(path, "rb") as handle:
-        first = handle.read(1)
-        handle.seek(0)
-        if first == b"[":  # a .json file holding one array of records
+    """The records of a .jsonl file, or of a .json file holding one array of them."""
+    for chunk in _file_chunks(0, path, "", "file", {}):
+        if chunk.kind == "json-array":
             try:
-                records = json.loads(_decode(handle.read(), stats))
+                yield from enumerate(json.loads(_decode(chunk.payload, stats)), start=1)
             except json.JSONDecodeError as err:
                 raise UserError(f"{path}: invalid JSON: {err}") from None
-            yield from enumerate(records, start=1)
-            return
-        for lineno, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            try:
-                yield lineno, json.loads(_decode(raw, stats))
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path}:{lineno}: invalid JSON line: {err.msg}") from None
+        else:
+            yield from _json_lines(io.BytesIO(chunk.payload), path, stats, chunk.first_lineno)
 
 
-def _read_file(path: Path, text_column: str, txt_docs: str, stats: SourceStats) -> Iterator[str]:
-    if path.suffix in JSON_SUFFIXES:
-        for lineno, record in _json_records(path, stats):
-            yield _text_of(record, text_column, path, lineno)
-    elif path.suffix in PARQUET_SUFFIXES:
-        import pyarrow.parquet as pq
+def _file_chunks(index: int, path: Path, text_column: str, txt_docs: str, at: dict) -> Iterator[Chunk]:
+    """File number `index` of a local source in chunks, from position `at` (empty: its start)."""
+    def whole(kind: str) -> Iterator[Chunk]:
+        yield Chunk(kind, path.read_bytes(), str(path), text_column, 1, {"file": index + 1})
 
-        for batch in pq.ParquetFile(path).iter_batches(columns=[text_column], batch_size=1024):
-            for text in batch.column(0).to_pylist():
-                if text is None:
-                    raise UserError(f"{path}: column {text_column!r} has a null value")
-                yield text
-    elif txt_docs == "file":
+    if path.suffix in PARQUET_SUFFIXES:
+        yield from _parquet_chunks(index, path, text_column, at.get("row", 0))
+    elif path.suffix in JSON_SUFFIXES:
         with open(path, "rb") as handle:
-            yield _decode(handle.read(), stats)
+            is_array = handle.read(1) == b"["
+        if is_array:
+            yield from whole("json-array")
+        else:
+            yield from _line_chunks(index, path, "jsonl", text_column, at.get("offset", 0), at.get("lineno", 1))
+    elif txt_docs == "file":
+        yield from whole("txt-file")
     else:
-        yield from _split_txt(path, txt_docs, stats)
+        yield from _line_chunks(index, path, f"txt-{txt_docs}", text_column, at.get("offset", 0),
+                                at.get("lineno", 1))
 
 
-def _split_txt(path: Path, txt_docs: str, stats: SourceStats) -> Iterator[str]:
+def _line_chunks(index: int, path: Path, kind: str, text_column: str, offset: int, lineno: int
+                 ) -> Iterator[Chunk]:
+    """Chunks of about CHUNK_BYTES cut after a line (after a blank line: paragraphs), from byte `offset`."""
+    pending = bytearray()
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        while True:
+            block = handle.read(CHUNK_BYTES)
+            searched = max(0, len(pending) - 1)  # a boundary may start at the last byte already held
+            pending += block
+            cut = len(pending) if not block else _last_boundary(pending, searched, kind)
+            if cut:
+                payload = bytes(pending[:cut])
+                del pending[:cut]
+                offset += cut
+                first, lineno = lineno, lineno + payload.count(b"\n")
+                yield Chunk(kind, payload, str(path), text_column, first,
+                            {"file": index, "offset": offset, "lineno": lineno})
+            if not block:
+                return
+
+
+def _last_boundary(data: bytearray, start: int, kind: str) -> int:
+    """Where the last whole document in `data` ends, looking from `start` on; 0: none yet."""
+    if kind != "txt-paragraph":
+        return data.rfind(b"\n", start) + 1
+    position = data.rfind(b"\n\n", start)  # the usual blank line, found without a scan
+    if position >= 0:
+        return position + 2
+    last = None
+    for last in _BLANK_LINE.finditer(data, start):
+        pass
+    return last.end() if last else 0
+
+
+def _parquet_chunks(index: int, path: Path, text_column: str, row: int) -> Iterator[Chunk]:
+    """A parquet file's text column in batches of CHUNK_ROWS rows, from row `row`."""
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    group, first = 0, 0  # the row group holding `row`, and that group's first row
+    while group < parquet.num_row_groups and first + parquet.metadata.row_group(group).num_rows <= row:
+        first += parquet.metadata.row_group(group).num_rows
+        group += 1
+    row_groups = list(range(group, parquet.num_row_groups))
+    skip = row - first
+    for batch in parquet.iter_batches(columns=[text_column], batch_size=CHUNK_ROWS, row_groups=row_groups):
+        column = batch.column(0)
+        if skip:
+            column, skip = column.slice(min(skip, len(column))), max(0, skip - len(column))
+        if len(column):
+            row += len(column)
+            yield Chunk("parquet", column, str(path), text_column, 1, {"file": index, "row": row})
+
+
+def _split_txt(lines: Iterator[bytes], txt_docs: str, stats: SourceStats) -> Iterator[str]:
     """One document per non-empty line, or per blank-line-separated paragraph."""
     paragraph: list[str] = []
-    with open(path, "rb") as handle:
-        for raw in handle:
-            line = _decode(raw, stats)
-            if txt_docs == "line":
-                if line.strip():
-                    yield line.rstrip("\r\n")
-            elif line.strip():
-                paragraph.append(line)
-            elif paragraph:
-                yield "".join(paragraph).rstrip("\r\n")
-                paragraph = []
+    for raw in lines:
+        line = _decode(raw, stats)
+        if txt_docs == "line":
+            if line.strip():
+                yield line.rstrip("\r\n")
+        elif line.strip():
+            paragraph.append(line)
+        elif paragraph:
+            yield "".join(paragraph).rstrip("\r\n")
+            paragraph = []
     if paragraph:
         yield "".join(paragraph).rstrip("\r\n")
 
@@ -246,20 +355,20 @@ def _hub_source(name: str, text_column: str, revision: str | None, split: str, c
         description["name"] = config
     if data_files:
         description["data_files"] = list(data_files)
-    live: dict = {}  # the IterableDataset being iterated, and a state to start the next iteration at
-
-    def iterate(stats: SourceStats) -> Iterator[str]:
+    def chunks(start: dict | None) -> Iterator[Chunk]:
         stream = datasets_part(open_datasets_stream(name, config, split, revision, data_files), part)
-        if "resume" in live:
-            stream.load_state_dict(live.pop("resume"))
-        live["stream"] = stream
+        if start is not None:
+            stream.load_state_dict(start)
+        texts: list[str] = []
+        size = 0
+        where = Path(f"hf://{name}")
         for lineno, record in enumerate(stream, start=1):
-            yield _text_of(record, text_column, Path(f"hf://{name}"), lineno)
+            texts.append(_text_of(record, text_column, where, lineno))
+            size += len(texts[-1])
+            if size >= CHUNK_BYTES or len(texts) >= CHUNK_DOCS:
+                yield Chunk("texts", texts, str(where), text_column, 1, stream.state_dict())
+                texts, size = [], 0
+        if texts:
+            yield Chunk("texts", texts, str(where), text_column, 1, stream.state_dict())
 
-    def position() -> dict:
-        return live["stream"].state_dict()
-
-    def resume(state: dict) -> None:
-        live["resume"] = state
-
-    return DocumentSource(description, _iterate=iterate, _position=position, _resume=resume)
+    return DocumentSource(description, chunks)

@@ -1,6 +1,6 @@
 """Text conversion as a whole: in one pass (text_one_pass.py), or part by part and merged (text_parts.py)."""
 
-from tokstream.cleaning import Cleaning, CleaningStats, clean_documents
+from tokstream.cleaning import Cleaning
 from tokstream.errors import UserError
 from tokstream.format import DatasetMetadata
 from tokstream.object_store import is_s3
@@ -25,10 +25,7 @@ def convert_text(inputs: list[str], out: str, source_kwargs: dict, cleaning: Cle
     if num_parts is None:
         if part is not None or merge:
             raise UserError("--part and --merge need --num-parts")
-        stats = CleaningStats()
-        documents = clean_documents(source, cleaning, stats)
-        return convert_documents(source, tokenizer, out, options, documents=documents, reports=(stats,),
-                                 rereading_needed=cleaning.dedup_memory is not None)
+        return convert_documents(source, tokenizer, out, options, cleaning)
 
     if options.max_docs is not None:
         raise UserError("--max-docs cannot be combined with --num-parts")

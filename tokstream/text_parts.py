@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokstream.cleaning import Cleaning, CleaningStats, FingerprintSet, clean_documents
+from tokstream.cleaning import Cleaning, FingerprintSet
 from tokstream.dataset_writer import SplitWriter, finish_dataset, text_metadata
 from tokstream.errors import UserError
 from tokstream.format import DatasetMetadata, token_dtype
@@ -30,7 +30,7 @@ from tokstream.options import ConversionOptions
 from tokstream.resume import PART_DONE_FILE
 from tokstream.sources import DocumentSource
 from tokstream.staging import staged_output
-from tokstream.tokenize_docs import tokenized_batches
+from tokstream.tokenize_docs import Counters, tokenized_batches
 from tokstream.tokenizer import Tokenizer
 
 DOC_RECORD = np.dtype([("fingerprint", "<u8"), ("tokens", "<i8")])
@@ -89,15 +89,14 @@ def convert_part(source: DocumentSource, part: int, num_parts: int, out: str, to
     directory = part_dir(out, part, num_parts, options.staging_dir)
     if (directory / PART_DONE_FILE).is_file():
         return False
-    stats = CleaningStats()
+    counters = Counters()
     no_dedup = dataclasses.replace(cleaning, dedup_memory=None)  # dedup happens at the merge, over all parts
-    documents = clean_documents(source, no_dedup, stats)
     names = options.text_splits
     with staged_output(directory, overwrite=True) as staging:
         tokens = {name: open(staging.path / f"{name}.tokens", "wb") for name in names}
         records = {name: open(staging.path / f"{name}.docs", "wb") for name in names}
-        for batch in tokenized_batches(documents, tokenizer, options, token_dtype(tokenizer.vocab_size),
-                                       fingerprints=True):
+        for batch in tokenized_batches(source, tokenizer, options, no_dedup, counters,
+                                       token_dtype(tokenizer.vocab_size), fingerprints=True):
             for name, ids, lengths, prints in (("train", batch.train, batch.train_lengths, batch.train_prints),
                                                ("val", batch.val, batch.val_lengths, batch.val_prints)):
                 if len(lengths):
@@ -107,7 +106,8 @@ def convert_part(source: DocumentSource, part: int, num_parts: int, out: str, to
                     record.tofile(records[name])
         for handle in [*tokens.values(), *records.values()]:
             handle.close()
-        report = {"invalid_utf8_documents_replaced": source.stats.invalid_utf8_docs, "empty": stats.empty}
+        report = {"invalid_utf8_documents_replaced": counters.read.invalid_utf8_docs,
+                  "empty": counters.cleaning.empty}
         (staging.path / PART_DONE_FILE).write_text(json.dumps(report, sort_keys=True))
     return True
 

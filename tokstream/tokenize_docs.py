@@ -1,28 +1,33 @@
-"""Tokenizing documents in parallel, in input order, with a bounded number of batches in flight."""
+"""Turning a source's chunks into tokenized batches: in parallel, in input order, with a bounded number in flight.
+
+Everything done per document happens in the tokenizer processes: decoding and parsing the chunk
+(sources.Chunk.documents), normalising and dropping empty documents, the content-keyed train/val
+split, tokenizing and fingerprinting. The converting process only reads chunks, hands them out and
+takes the arrays back, so its CPU per token stays small enough to feed many cores (see
+bench/convert_speed.py). Dedup, whose table is one for the whole input, and `--max-docs` act on
+the returned arrays, in order. The output does not depend on the number of processes.
+"""
 
 import hashlib
-import itertools
 import multiprocessing
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 from tqdm import tqdm
 
-from tokstream.cleaning import fingerprint
+from tokstream.cleaning import Cleaning, CleaningStats, FingerprintSet, clean_texts, fingerprint
 from tokstream.options import ConversionOptions
+from tokstream.sources import Chunk, DocumentSource, SourceStats
 from tokstream.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer
-
-BATCH_CHARS = 1 << 20  # about 1 MB of text per task: large enough to amortise pickling
-BATCH_DOCS = 4096
 
 
 @dataclass
 class TokenizedBatch:
-    """One batch of documents, tokenized and assigned to splits, concatenated per split."""
+    """One chunk's documents, tokenized and assigned to splits, concatenated per split."""
 
     train: np.ndarray
     val: np.ndarray
@@ -30,8 +35,12 @@ class TokenizedBatch:
     val_lengths: np.ndarray
     train_prints: np.ndarray  # each document's 64-bit fingerprint (cleaning.fingerprint), if asked for
     val_prints: np.ndarray
+    is_val: np.ndarray  # for each document in input order: whether it went to val
     chars: int
-    source_position: dict | None = None  # the source's state right after this batch's last document
+    read: SourceStats = field(default_factory=SourceStats)  # what decoding the chunk repaired
+    empty: int = 0  # documents dropped as empty
+    end: dict | None = None  # the source's position right after the chunk
+    chunk: int = 0  # the chunk's number, from the source's start
 
     @property
     def train_docs(self) -> int:
@@ -40,6 +49,23 @@ class TokenizedBatch:
     @property
     def val_docs(self) -> int:
         return len(self.val_lengths)
+
+    def prints_in_order(self) -> np.ndarray:
+        prints = np.empty(len(self.is_val), np.uint64)
+        prints[~self.is_val], prints[self.is_val] = self.train_prints, self.val_prints
+        return prints
+
+    def select(self, keep: np.ndarray) -> "TokenizedBatch":
+        """The batch with only the documents `keep` (one bool per document, in input order) marks."""
+        train_keep, val_keep = keep[~self.is_val], keep[self.is_val]
+        return TokenizedBatch(
+            train=self.train[np.repeat(train_keep, self.train_lengths)],
+            val=self.val[np.repeat(val_keep, self.val_lengths)],
+            train_lengths=self.train_lengths[train_keep], val_lengths=self.val_lengths[val_keep],
+            train_prints=self.train_prints[train_keep] if len(self.train_prints) else self.train_prints,
+            val_prints=self.val_prints[val_keep] if len(self.val_prints) else self.val_prints,
+            is_val=self.is_val[keep], chars=self.chars, read=self.read, empty=self.empty, end=self.end,
+            chunk=self.chunk)
 
 
 def is_val_document(text: str, seed: int, val_fraction: float) -> bool:
@@ -51,105 +77,129 @@ def is_val_document(text: str, seed: int, val_fraction: float) -> bool:
     return int.from_bytes(digest, "little") < val_fraction * 2**64
 
 
+@dataclass(frozen=True)
+class Work:
+    """What a tokenizer process does to each chunk (sent once, to each process)."""
+
+    seed: int
+    val_fraction: float
+    dtype: np.dtype
+    cleaning: Cleaning
+    fingerprints: bool  # each document's fingerprint is returned (dedup, parts)
+
+
 # Per-process state: set directly for inline work, by the pool initializer in workers.
 _WORKER_STATE: dict = {}
 
 
-def _init_worker(spec: TokenizerSpec, seed: int, val_fraction: float, dtype: np.dtype, fingerprints: bool) -> None:
+def _init_worker(spec: TokenizerSpec, work: Work) -> None:
     # The processes are the parallelism: a tokenizer.json's own threads would only oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tokenizer = load_tokenizer(spec)
-    _WORKER_STATE.update(tokenizer=tokenizer, seed=seed, val_fraction=val_fraction, dtype=dtype,
-                         fingerprints=fingerprints)
+    _WORKER_STATE.update(tokenizer=load_tokenizer(spec), work=work)
 
 
-def _tokenize_batch(texts: list[str]) -> TokenizedBatch:
+def _tokenize_chunk(chunk: Chunk, tokenize: bool) -> TokenizedBatch:
+    """Decode, clean, split and tokenize one chunk; without `tokenize`, only the fingerprints (a dedup replay)."""
     tokenizer: Tokenizer = _WORKER_STATE["tokenizer"]
-    seed, val_fraction, dtype = _WORKER_STATE["seed"], _WORKER_STATE["val_fraction"], _WORKER_STATE["dtype"]
+    work: Work = _WORKER_STATE["work"]
+    read = SourceStats()
+    texts, empty = clean_texts(chunk.documents(read), work.cleaning)
+    if not tokenize:
+        nothing = np.empty(0, work.dtype)
+        return TokenizedBatch(train=nothing, val=nothing, train_lengths=np.zeros(len(texts), np.int64),
+                              val_lengths=np.empty(0, np.int64),
+                              train_prints=np.array([fingerprint(t) for t in texts], np.uint64),
+                              val_prints=np.empty(0, np.uint64), is_val=np.zeros(len(texts), bool), chars=0,
+                              read=read, empty=empty, end=chunk.end)
     separator, before = [tokenizer.separator_id], tokenizer.separator_position == "before"
-    with_prints = _WORKER_STATE["fingerprints"]
     ids: dict[bool, list[int]] = {False: [], True: []}
     lengths: dict[bool, list[int]] = {False: [], True: []}
     prints: dict[bool, list[int]] = {False: [], True: []}
-    for text, encoded in zip(texts, tokenizer.encode_batch(texts)):
-        to_val = is_val_document(text, seed, val_fraction)
+    is_val = np.zeros(len(texts), bool)
+    for n, (text, encoded) in enumerate(zip(texts, tokenizer.encode_batch(texts))):
+        to_val = is_val[n] = is_val_document(text, work.seed, work.val_fraction)
         # nanoGPT appends <|endoftext|> after every document; Llama-3 data starts each with <|begin_of_text|>
         tokens = separator + encoded if before else encoded + separator
         ids[to_val].extend(tokens)
         lengths[to_val].append(len(tokens))
-        if with_prints:  # lets a later merge drop duplicates across parts
+        if work.fingerprints:
             prints[to_val].append(fingerprint(text))
     return TokenizedBatch(
-        train=np.array(ids[False], dtype=dtype), val=np.array(ids[True], dtype=dtype),
+        train=np.array(ids[False], dtype=work.dtype), val=np.array(ids[True], dtype=work.dtype),
         train_lengths=np.array(lengths[False], dtype=np.int64), val_lengths=np.array(lengths[True], dtype=np.int64),
         train_prints=np.array(prints[False], dtype=np.uint64), val_prints=np.array(prints[True], dtype=np.uint64),
-        chars=sum(map(len, texts)),
+        is_val=is_val, chars=sum(map(len, texts)), read=read, empty=empty, end=chunk.end,
     )
 
 
-def _batches(documents: Iterable[str], position: Callable[[], dict | None]) -> Iterator[tuple[list[str], dict | None]]:
-    """Batches of documents, each with the source's position right after its last document."""
-    batch: list[str] = []
-    chars = 0
-    for text in documents:
-        batch.append(text)
-        chars += len(text)
-        if chars >= BATCH_CHARS or len(batch) >= BATCH_DOCS:
-            yield batch, position()
-            batch, chars = [], 0
-    if batch:
-        yield batch, position()
-
-
-def _positioned(batch: TokenizedBatch, position: dict | None) -> TokenizedBatch:
-    batch.source_position = position
-    return batch
-
-
-def tokenize_documents(documents: Iterable[str], tokenizer: Tokenizer, seed: int, val_fraction: float,
-                       dtype: np.dtype, num_workers: int, fingerprints: bool = False,
-                       position: Callable[[], dict | None] = lambda: None) -> Iterator[TokenizedBatch]:
-    """Yield tokenized batches in input order; the output does not depend on num_workers."""
+def tokenize_chunks(chunks: Iterable[tuple[Chunk, bool]], tokenizer: Tokenizer, work: Work,
+                    num_workers: int) -> Iterator[TokenizedBatch]:
+    """Each (chunk, tokenize) as a batch, in input order, with at most 2 x num_workers chunks in flight."""
     if num_workers <= 1:
-        _WORKER_STATE.update(tokenizer=tokenizer, seed=seed, val_fraction=val_fraction, dtype=dtype,
-                             fingerprints=fingerprints)
-        for batch, where in _batches(documents, position):
-            yield _positioned(_tokenize_batch(batch), where)
+        _WORKER_STATE.update(tokenizer=tokenizer, work=work)
+        for chunk, tokenize in chunks:
+            yield _tokenize_chunk(chunk, tokenize)
         return
     # forkserver, not fork: the parent may be importing torch in a thread meanwhile.
     context = multiprocessing.get_context("forkserver")
-    init_args = (tokenizer.spec, seed, val_fraction, dtype, fingerprints)
-    with context.Pool(num_workers, initializer=_init_worker, initargs=init_args) as pool:
+    with context.Pool(num_workers, initializer=_init_worker, initargs=(tokenizer.spec, work)) as pool:
         in_flight: deque = deque()
-        for batch, where in _batches(documents, position):
-            in_flight.append((pool.apply_async(_tokenize_batch, (batch,)), where))
+        for task in chunks:
+            in_flight.append(pool.apply_async(_tokenize_chunk, task))
             if len(in_flight) >= 2 * num_workers:
-                result, where = in_flight.popleft()
-                yield _positioned(result.get(), where)
+                yield in_flight.popleft().get()
         while in_flight:
-            result, where = in_flight.popleft()
-            yield _positioned(result.get(), where)
+            yield in_flight.popleft().get()
 
 
-def tokenized_batches(documents: Iterable[str], tokenizer: Tokenizer, options: ConversionOptions,
-                      dtype, fingerprints: bool = False, skip: int = 0, done: int = 0,
-                      position: Callable[[], dict | None] = lambda: None) -> Iterator[TokenizedBatch]:
-    """Tokenized batches in input order, behind a progress bar (docs/s, tokens/s), each with the source's
-    `position()` after its last document.
+@dataclass
+class Counters:
+    """What a conversion has counted by a point of its input: saved with its state, restored on resume."""
 
-    The first `skip` documents are read (and pass through any cleaning) but not tokenized; `done`
-    documents were converted before and are not in `documents` at all (a source resumed at its position).
+    read: SourceStats = field(default_factory=SourceStats)
+    cleaning: CleaningStats = field(default_factory=CleaningStats)
+
+
+def tokenized_batches(source: DocumentSource, tokenizer: Tokenizer, options: ConversionOptions,
+                      cleaning: Cleaning, counters: Counters, dtype: np.dtype, fingerprints: bool = False,
+                      done: int = 0, first_chunk: int = 0, replay: int = 0) -> Iterator[TokenizedBatch]:
+    """The source's documents, tokenized, cleaned and deduplicated, in input order, behind a progress bar.
+
+    `done` documents were converted before (a resumed run), counted against `options.max_docs`. The
+    source's chunks are numbered from `first_chunk`. With dedup, the first `replay` chunks (converted
+    before; the source read from its start) only refill the table. `counters` count as batches are
+    yielded, so at each batch they stand at its `end`.
     """
-    limit = None if options.max_docs is None else options.max_docs - done
-    documents = itertools.islice(itertools.islice(documents, limit), skip, None)
+    seen = FingerprintSet(cleaning.dedup_memory) if cleaning.dedup_memory else None
+    work = Work(options.seed, options.val_fraction, dtype, cleaning, fingerprints or seen is not None)
+    remaining = None if options.max_docs is None else options.max_docs - done
+    if remaining is not None and remaining <= 0:
+        return
+    if replay and seen is None:
+        raise ValueError("a replay refills a dedup table: it needs dedup")
+    tasks = ((chunk, number >= replay) for number, chunk in enumerate(source.chunks(), start=first_chunk))
     started = time.monotonic()
     total_tokens = 0
     with tqdm(unit=" docs", desc="tokenizing", disable=not options.progress, total=options.max_docs,
-              initial=skip + done, smoothing=0.1, delay=2) as bar:
-        for batch in tokenize_documents(documents, tokenizer, options.seed, options.val_fraction, dtype,
-                                        options.num_workers, fingerprints, position):
+              initial=done, smoothing=0.1, delay=2) as bar:
+        for number, batch in enumerate(tokenize_chunks(tasks, tokenizer, work, options.num_workers),
+                                       start=first_chunk):
+            batch.chunk = number
+            if seen is not None:
+                keep = np.fromiter((seen.add(int(p)) for p in batch.prints_in_order()), bool, len(batch.is_val))
+                if number < replay:
+                    continue  # counted before the interruption
+                counters.cleaning.duplicates += int(len(keep) - keep.sum())
+                batch = batch.select(keep)
+            if remaining is not None and len(batch.is_val) >= remaining:
+                batch = batch.select(np.arange(len(batch.is_val)) < remaining)
+            counters.read.add(batch.read)
+            counters.cleaning.empty += batch.empty
+            remaining = None if remaining is None else remaining - len(batch.is_val)
             yield batch
             total_tokens += len(batch.train) + len(batch.val)
             bar.update(batch.train_docs + batch.val_docs)
             bar.set_postfix_str(f"{total_tokens / max(time.monotonic() - started, 1e-9) / 1e6:.2f}M tok/s",
                                 refresh=False)
+            if remaining == 0:
+                return
