@@ -10,6 +10,7 @@ from conftest import shakespeare_paragraphs, tree_bytes, wikitext_articles
 
 import tokstream.sources as sources
 from tokstream.cleaning import Cleaning
+from tokstream.errors import UserError
 from tokstream.options import ConversionOptions
 from tokstream.sources import SourceStats, open_source
 from tokstream.text_one_pass import convert_documents
@@ -87,3 +88,13 @@ def test_the_dataset_does_not_depend_on_chunks_or_workers(tmp_path, monkeypatch,
     for max_docs, tree in outputs:
         assert tree == next(t for m, t in outputs if m == max_docs)
     assert outputs[0][1] != outputs[1][1]
+
+
+@pytest.mark.parametrize("bad, message", [("{not json", "invalid JSON line"), ('{"body": "x"}', "no field 'text'")])
+def test_a_bad_record_deep_in_a_file_is_named_by_its_line(tmp_path, monkeypatch, bad, message):
+    """Chunks do not count lines as they are cut; a message still names the line of the file."""
+    monkeypatch.setattr(sources, "CHUNK_BYTES", 64)
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {n}"}) + "\n" for n in range(1, 40)) + "\n" + bad + "\n")
+    with pytest.raises(UserError, match=f"a.jsonl:41: {message}"):
+        list(open_source([str(path)]))

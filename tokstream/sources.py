@@ -55,7 +55,7 @@ class Chunk:
     payload: object  # the bytes read; a pyarrow string array (parquet); a list of str (texts)
     path: str
     text_column: str
-    first_lineno: int  # of the payload's first line, for messages
+    offset: int  # of the payload in its file: the line numbers of messages are counted from it, when needed
     end: dict | None  # the source's position right after this chunk
 
     def documents(self, stats: SourceStats) -> list[str]:
@@ -77,10 +77,18 @@ class Chunk:
                 raise UserError(f"{path}: invalid JSON: {err}") from None
             return [_text_of(record, self.text_column, path, n) for n, record in enumerate(records, start=1)]
         lines = io.BytesIO(self.payload)  # iterates on b"\n" only, as reading the file does
-        if self.kind == "jsonl":
-            return [_text_of(record, self.text_column, path, lineno)
-                    for lineno, record in _json_lines(lines, path, stats, self.first_lineno)]
-        return list(_split_txt(lines, self.kind.removeprefix("txt-"), stats))
+        if self.kind != "jsonl":
+            return list(_split_txt(lines, self.kind.removeprefix("txt-"), stats))
+        try:
+            return self._records(lines, stats, 1)
+        except UserError:  # again, now counting the file's lines before the chunk: the message names the line
+            self._records(io.BytesIO(self.payload), SourceStats(), _line_at(path, self.offset))
+            raise
+
+    def _records(self, lines: Iterator[bytes], stats: SourceStats, first_lineno: int) -> list[str]:
+        path = Path(self.path)
+        return [_text_of(record, self.text_column, path, lineno)
+                for lineno, record in _json_lines(lines, path, stats, first_lineno)]
 
 
 @dataclass
@@ -222,13 +230,13 @@ def _json_records(path: Path, stats: SourceStats) -> Iterator[tuple[int, object]
             except json.JSONDecodeError as err:
                 raise UserError(f"{path}: invalid JSON: {err}") from None
         else:
-            yield from _json_lines(io.BytesIO(chunk.payload), path, stats, chunk.first_lineno)
+            yield from _json_lines(io.BytesIO(chunk.payload), path, stats, _line_at(path, chunk.offset))
 
 
 def _file_chunks(index: int, path: Path, text_column: str, txt_docs: str, at: dict) -> Iterator[Chunk]:
     """File number `index` of a local source in chunks, from position `at` (empty: its start)."""
     def whole(kind: str) -> Iterator[Chunk]:
-        yield Chunk(kind, path.read_bytes(), str(path), text_column, 1, {"file": index + 1})
+        yield Chunk(kind, path.read_bytes(), str(path), text_column, 0, {"file": index + 1})
 
     if path.suffix in PARQUET_SUFFIXES:
         yield from _parquet_chunks(index, path, text_column, at.get("row", 0))
@@ -238,47 +246,64 @@ def _file_chunks(index: int, path: Path, text_column: str, txt_docs: str, at: di
         if is_array:
             yield from whole("json-array")
         else:
-            yield from _line_chunks(index, path, "jsonl", text_column, at.get("offset", 0), at.get("lineno", 1))
+            yield from _line_chunks(index, path, "jsonl", text_column, at.get("offset", 0))
     elif txt_docs == "file":
         yield from whole("txt-file")
     else:
-        yield from _line_chunks(index, path, f"txt-{txt_docs}", text_column, at.get("offset", 0),
-                                at.get("lineno", 1))
+        yield from _line_chunks(index, path, f"txt-{txt_docs}", text_column, at.get("offset", 0))
 
 
-def _line_chunks(index: int, path: Path, kind: str, text_column: str, offset: int, lineno: int
-                 ) -> Iterator[Chunk]:
-    """Chunks of about CHUNK_BYTES cut after a line (after a blank line: paragraphs), from byte `offset`."""
-    pending = bytearray()
+def _line_chunks(index: int, path: Path, kind: str, text_column: str, offset: int) -> Iterator[Chunk]:
+    """Chunks of about CHUNK_BYTES cut after a line (after a blank line: paragraphs), from byte `offset`.
+
+    Each byte is copied once on its way into a chunk: the reading process's CPU per token is what
+    bounds how many tokenizer processes it can feed."""
+    held: list[bytes | memoryview] = []  # read since the last cut, no boundary in it yet
     with open(path, "rb") as handle:
         handle.seek(offset)
         while True:
             block = handle.read(CHUNK_BYTES)
-            searched = max(0, len(pending) - 1)  # a boundary may start at the last byte already held
-            pending += block
-            cut = len(pending) if not block else _last_boundary(pending, searched, kind)
-            if cut:
-                payload = bytes(pending[:cut])
-                del pending[:cut]
-                offset += cut
-                first, lineno = lineno, lineno + payload.count(b"\n")
-                yield Chunk(kind, payload, str(path), text_column, first,
-                            {"file": index, "offset": offset, "lineno": lineno})
             if not block:
+                if held:
+                    payload = b"".join(held)
+                    yield Chunk(kind, payload, str(path), text_column, offset,
+                                {"file": index, "offset": offset + len(payload)})
                 return
+            cut = _last_boundary(block, kind)
+            if not cut:
+                held.append(block)
+                continue
+            payload = b"".join([*held, memoryview(block)[:cut]])
+            yield Chunk(kind, payload, str(path), text_column, offset, {"file": index, "offset": offset + len(payload)})
+            offset += len(payload)
+            held = [memoryview(block)[cut:]] if cut < len(block) else []
 
 
-def _last_boundary(data: bytearray, start: int, kind: str) -> int:
-    """Where the last whole document in `data` ends, looking from `start` on; 0: none yet."""
+def _last_boundary(block: bytes, kind: str) -> int:
+    """Where the last whole document in `block` ends; 0: none in it. A boundary that straddles two blocks
+    is missed, which only makes a chunk longer."""
     if kind != "txt-paragraph":
-        return data.rfind(b"\n", start) + 1
-    position = data.rfind(b"\n\n", start)  # the usual blank line, found without a scan
+        return block.rfind(b"\n") + 1
+    position = block.rfind(b"\n\n")  # the usual blank line, found without a scan
     if position >= 0:
         return position + 2
     last = None
-    for last in _BLANK_LINE.finditer(data, start):
+    for last in _BLANK_LINE.finditer(block):
         pass
     return last.end() if last else 0
+
+
+def _line_at(path: Path, offset: int) -> int:
+    """The number of the line starting at byte `offset` (for a message: reads the file up to there)."""
+    lines = 1
+    with open(path, "rb") as handle:
+        while offset > 0:
+            block = handle.read(min(offset, CHUNK_BYTES))
+            if not block:
+                break
+            lines += block.count(b"\n")
+            offset -= len(block)
+    return lines
 
 
 def _parquet_chunks(index: int, path: Path, text_column: str, row: int) -> Iterator[Chunk]:
@@ -298,7 +323,7 @@ def _parquet_chunks(index: int, path: Path, text_column: str, row: int) -> Itera
             column, skip = column.slice(min(skip, len(column))), max(0, skip - len(column))
         if len(column):
             row += len(column)
-            yield Chunk("parquet", column, str(path), text_column, 1, {"file": index, "row": row})
+            yield Chunk("parquet", column, str(path), text_column, 0, {"file": index, "row": row})
 
 
 def _split_txt(lines: Iterator[bytes], txt_docs: str, stats: SourceStats) -> Iterator[str]:
@@ -366,9 +391,9 @@ def _hub_source(name: str, text_column: str, revision: str | None, split: str, c
             texts.append(_text_of(record, text_column, where, lineno))
             size += len(texts[-1])
             if size >= CHUNK_BYTES or len(texts) >= CHUNK_DOCS:
-                yield Chunk("texts", texts, str(where), text_column, 1, stream.state_dict())
+                yield Chunk("texts", texts, str(where), text_column, 0, stream.state_dict())
                 texts, size = [], 0
         if texts:
-            yield Chunk("texts", texts, str(where), text_column, 1, stream.state_dict())
+            yield Chunk("texts", texts, str(where), text_column, 0, stream.state_dict())
 
     return DocumentSource(description, chunks)

@@ -14,12 +14,15 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy as np
 from tqdm import tqdm
 
 from tokstream.cleaning import Cleaning, CleaningStats, FingerprintSet, clean_texts, fingerprint
+from tokstream.errors import UserError
 from tokstream.options import ConversionOptions
 from tokstream.sources import Chunk, DocumentSource, SourceStats
 from tokstream.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer
@@ -140,16 +143,30 @@ def tokenize_chunks(chunks: Iterable[tuple[Chunk, bool]], tokenizer: Tokenizer, 
         for chunk, tokenize in chunks:
             yield _tokenize_chunk(chunk, tokenize)
         return
-    # forkserver, not fork: the parent may be importing torch in a thread meanwhile.
+    # forkserver, not fork: the parent may be importing torch in a thread meanwhile. An executor, not
+    # multiprocessing.Pool, whose worker-handler thread spins on forkserver sentinels (Python 3.11: about
+    # 3 s of the parent's CPU per 60 MB handed out, measured) and which hangs if a worker is killed.
     context = multiprocessing.get_context("forkserver")
-    with context.Pool(num_workers, initializer=_init_worker, initargs=(tokenizer.spec, work)) as pool:
+    executor = ProcessPoolExecutor(num_workers, mp_context=context, initializer=_init_worker,
+                                   initargs=(tokenizer.spec, work))
+    try:
         in_flight: deque = deque()
-        for task in chunks:
-            in_flight.append(pool.apply_async(_tokenize_chunk, task))
+        for chunk, tokenize in chunks:
+            in_flight.append(executor.submit(_tokenize_chunk, chunk, tokenize))
             if len(in_flight) >= 2 * num_workers:
-                yield in_flight.popleft().get()
+                yield _result(in_flight.popleft())
         while in_flight:
-            yield in_flight.popleft().get()
+            yield _result(in_flight.popleft())
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(future: Future) -> TokenizedBatch:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise UserError("a tokenizer process died (killed, or out of memory?): fewer --num-workers use less "
+                        "memory; the same command resumes from the last saved state") from None
 
 
 @dataclass
