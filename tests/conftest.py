@@ -95,14 +95,16 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def kill_then_resume(script: str, args: list, out: Path, sig: int, between=lambda: None) -> str:
-    """Run a converter, send `sig` once it has saved a state mid-run, check that nothing looks
-    complete, call `between()`, rerun the same command and return its output. The caller compares
-    the result."""
+def kill_then_resume(script: str, args: list, out: Path, sig: int, between=lambda: None,
+                     tokenizer_process: bool = False) -> str:
+    """Run a converter, send `sig` once it has saved a state mid-run (to one of its tokenizer processes
+    instead, if asked), check that nothing looks complete, call `between()`, rerun the same command
+    and return its output. The caller compares the result."""
     import signal
     import time
 
     from tokstream.resume import STATE_FILE
+    from tokstream.testing.processes import descendants, worker_pids
 
     cmd = [sys.executable, str(ROOT / script), *map(str, args), "--out", str(out), "--state-interval", "0"]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -110,12 +112,19 @@ def kill_then_resume(script: str, args: list, out: Path, sig: int, between=lambd
     deadline = time.monotonic() + 120
     while not (partial / STATE_FILE).exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    process.send_signal(sig)
+    if tokenizer_process:  # a grandchild: the converter starts them through a forkserver
+        children = set(worker_pids(process.pid))
+        os.kill(next(pid for pid in descendants(process.pid) if pid not in children), sig)
+    else:
+        process.send_signal(sig)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode != 0, "finished before the signal: the input is too small for this test"
     assert not out.exists() and not (partial / "metadata.json").exists()
     if sig == signal.SIGTERM:  # caught: one line, and the partial output is kept to resume from
         assert "interrupted" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    if tokenizer_process:
+        assert "a tokenizer process died" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+        assert process.returncode == 2
     between()
     resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr

@@ -178,14 +178,16 @@ def test_bad_input_gets_one_line_and_no_output(tmp_path, name, files, args, mess
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_killed_conversion_never_looks_complete_and_resumes_exactly(tmp_path, sig):
+@pytest.mark.parametrize("sig, tokenizer_process", [(signal.SIGKILL, False), (signal.SIGTERM, False),
+                                                    (signal.SIGKILL, True)],
+                         ids=["SIGKILL", "SIGTERM", "a tokenizer process SIGKILLed"])
+def test_killed_conversion_never_looks_complete_and_resumes_exactly(tmp_path, sig, tokenizer_process):
     """The rerun continues the file at the saved byte offset: what lies before it is never read again
     (here it is overwritten, size and modification time kept, and the output is still exact)."""
     corpus = tagged_lines(tmp_path / "lines.txt", 2)
     original = corpus.read_bytes()
     args = ["--dataset", corpus, "--txt-docs", "line", "--block-size", "64", "--shard-size", "64kb",
-            "--num-workers", "1", "--no-progress", "--val-fraction", "0.1"]
+            "--num-workers", "2" if tokenizer_process else "1", "--no-progress", "--val-fraction", "0.1"]
 
     def overwrite_what_was_read():
         offset = saved_state_header(tmp_path / "out.partial")["source"]["position"]["offset"]
@@ -194,7 +196,8 @@ def test_killed_conversion_never_looks_complete_and_resumes_exactly(tmp_path, si
         corpus.write_bytes(b"#" * offset + original[offset:])
         os.utime(corpus, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
 
-    output = kill_then_resume("convert/owt_to_mds.py", args, tmp_path / "out", sig, overwrite_what_was_read)
+    output = kill_then_resume("convert/owt_to_mds.py", args, tmp_path / "out", sig, overwrite_what_was_read,
+                              tokenizer_process)
     resumed_at = int(re.search(r"continues after document ([\d,]+), nothing is read twice", output).group(1)
                      .replace(",", ""))
     assert resumed_at > 0, output

@@ -14,6 +14,11 @@ class StoreError(Exception):
     """The storage service failed after its retries: the input is fine, the store is at fault."""
 
 
+class WorkLost(Exception):
+    """A failure outside the input stopped the work (a tokenizer process was killed): what was done is
+    kept, as after an interruption, for the same command to resume."""
+
+
 CONVERSION_INTERRUPTED = "interrupted: the output was not completed (see README: what resumes and what restarts)"
 
 
@@ -30,7 +35,7 @@ def run_cli(main: Callable[[], int | None], *, sigterm_interrupts: bool = True, 
         signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         status = main()
-    except (UserError, StoreError) as err:
+    except (UserError, StoreError, WorkLost) as err:
         if report:
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

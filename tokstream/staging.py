@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokstream.errors import UserError
+from tokstream.errors import UserError, WorkLost
 from tokstream.format import shard_file_intact, stored_file
 from tokstream.object_store import S3Dataset, Uploader, UploadError, is_s3
 from tokstream.resume import RESUME_KEY_FILE, STATE_FILE, key_matches, partial_path, replaced_path, write_key
@@ -80,7 +80,7 @@ def staged_output(out: str | os.PathLike, overwrite: bool, staging_dir: str | No
             write_key(key_file, resume_key)
     try:
         yield Staging(staging, resumed=resumed)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, WorkLost):
         if resume_key is None:
             shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -125,7 +125,7 @@ def _staged_s3(url: str, overwrite: bool, staging_dir: str | None, resume_key: d
                       publish=lambda path: uploader.upload_after_queue(path, STATE_FILE))
         uploader.commit()
     except BaseException as err:
-        keep = resume_key is not None and isinstance(err, (KeyboardInterrupt, UploadError))
+        keep = resume_key is not None and isinstance(err, (KeyboardInterrupt, UploadError, WorkLost))
         uploader.abort(keep=keep)
         if keep and isinstance(err, UploadError):
             raise UploadError(f"{err}; what was uploaded stays: rerun the same command to resume from it, or "

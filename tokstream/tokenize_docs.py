@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tokstream.cleaning import Cleaning, CleaningStats, FingerprintSet, clean_texts, fingerprint
-from tokstream.errors import UserError
+from tokstream.errors import WorkLost
 from tokstream.options import ConversionOptions
 from tokstream.sources import Chunk, DocumentSource, SourceStats
 from tokstream.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer
@@ -165,8 +165,8 @@ def _result(future: Future) -> TokenizedBatch:
     try:
         return future.result()
     except BrokenProcessPool:
-        raise UserError("a tokenizer process died (killed, or out of memory?): fewer --num-workers use less "
-                        "memory; the same command resumes from the last saved state") from None
+        raise WorkLost("a tokenizer process died (killed, or out of memory?): the work so far is kept; rerun "
+                       "the same command to resume (with fewer --num-workers if memory ran out)") from None
 
 
 @dataclass

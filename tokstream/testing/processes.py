@@ -20,6 +20,16 @@ def worker_pids(launcher_pid: int) -> list[int]:
     return sorted(pid for pid, parent in _parents().items() if parent == launcher_pid)
 
 
+def descendants(root: int) -> list[int]:
+    """Every process under `root`, children before grandchildren."""
+    parents = _parents()
+    tree, frontier = [], [root]
+    while frontier:
+        frontier = sorted(pid for pid, parent in parents.items() if parent in frontier)
+        tree += frontier
+    return tree
+
+
 def kill_tree(root: int) -> None:
     """SIGKILL a process and all its descendants at once, as node loss or a cgroup kill does.
 
@@ -27,11 +37,7 @@ def kill_tree(root: int) -> None:
     leave the ranks running; and each rank's multiprocessing resource tracker would unlink the
     rank's shared memory if it outlived the rank. Everything is stopped first, so nothing reacts.
     """
-    parents = _parents()
-    tree, frontier = [root], [root]
-    while frontier:
-        frontier = [pid for pid, parent in parents.items() if parent in frontier]
-        tree += frontier
+    tree = [root, *descendants(root)]
     for signum in (signal.SIGSTOP, signal.SIGKILL):
         for pid in tree:
             try:
