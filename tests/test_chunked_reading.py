@@ -1,5 +1,6 @@
-"""Reading in chunks (tokstream/sources.py): the documents do not depend on where chunks are cut, and
-every chunk's end is a position the source resumes at, for every kind of local input."""
+"""Reading in chunks (tokstream/sources.py): the documents do not depend on where chunks are cut or how
+their boundaries are searched, and every chunk's end is a position the source resumes at, for every
+kind of local input."""
 
 import json
 
@@ -50,6 +51,7 @@ def test_every_chunk_end_resumes_at_the_next_document(tmp_path, monkeypatch, kin
     for size in (5, 37, 500):  # chunks of a line (or paragraph) each, up to many
         monkeypatch.setattr(sources, "CHUNK_BYTES", size)
         monkeypatch.setattr(sources, "CHUNK_ROWS", size)
+        monkeypatch.setattr(sources, "SCAN_BYTES", max(1, size // 3))  # boundaries found across several reads
         source = open_source([str(f) for f in files], txt_docs=txt_docs)
         chunks = list(source.chunks())
         stats = SourceStats()
@@ -75,6 +77,7 @@ def test_the_dataset_does_not_depend_on_chunks_or_workers(tmp_path, monkeypatch,
     for size, workers in ((1 << 20, 1), (100, 2), (3, 1)):
         monkeypatch.setattr(sources, "CHUNK_BYTES", size)
         monkeypatch.setattr(sources, "CHUNK_ROWS", size)
+        monkeypatch.setattr(sources, "SCAN_BYTES", 2)
         for max_docs in (None, 40):
             options = ConversionOptions(block_size=16, shard_size="4kb", val_fraction=0.2, num_workers=workers,
                                         max_docs=max_docs, progress=False)

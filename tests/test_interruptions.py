@@ -11,8 +11,12 @@ checkpoint is being uploaded. The first two launches keep the uninterrupted run'
 x 4 samples; the second with DataLoader workers and deterministic=true, the GPU setting, which must
 not change a CPU run); from then on each relaunch switches between 1 rank and 2 (both directions)
 with a random micro-batch. Dataset and run_dir are in S3 (moto's server behind the test proxy, which
-can hold an upload for the kill), and every launch starts with an empty data cache and run_local,
-as on a new machine.
+can hold an upload for the kill). A launch after a SIGTERM starts on a new machine, with an empty
+data cache and run_local; a
+launch after a SIGKILL (node-level kill, cgroup OOM) on the killed run's machine, where its cache,
+run_local and streaming's shared memory were left behind: the stale blocks, which make stock
+streaming refuse to start ("Reused local directory"), must be removed at start. (That another job's
+blocks stay, and a stale block another process maps goes: test_training.py, test_stale_shm.py.)
 
 Per step, the interrupted run must consume the uninterrupted run's samples (per rank while on 2
 ranks) and count the same samples per source, with its learning rate exactly, and its loss bitwise while the settings are the
@@ -25,7 +29,6 @@ import random
 import re
 import signal
 import time
-
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,7 @@ from tokstream.errors import UserError
 from tokstream.object_store import S3Dataset
 from tokstream.testing.processes import kill_tree, worker_pids
 from tokstream.train.checkpoint import latest_step
+from tokstream.train.metrics import METRICS_FILE
 from tokstream.train.run_store import S3RunStore
 
 EPOCH_STEPS = 5  # 44 samples at 8 per step: epochs of 40
@@ -73,9 +77,44 @@ def launch_settings(number: int, ranks: int, rng: random.Random) -> list[str]:
     return [f"micro_batch_size={rng.choice(MICRO_BATCHES[ranks])}"]
 
 
-def new_machine(machine) -> list[str]:
-    """An empty data cache (each source's under it: data.local/<name>) and run_local."""
+def on_machine(machine) -> list[str]:
+    """The machine's data cache (each source's under it: data.local/<name>) and run_local."""
     return [f"data.local={machine / 'cache'}", f"run_local={machine / 'run'}"]
+
+
+def blocks_naming(directory: Path) -> dict[str, int]:
+    """Streaming's shared-memory blocks registered for cache directories under `directory`: name -> inode."""
+    from tokstream.train.stale_shm import SHM_DIR
+    from tokstream.train.streaming_internals import locals_of_block
+
+    return {p.name: p.stat().st_ino for p in SHM_DIR.glob("*_locals")
+            if any(d.startswith(str(directory)) for d in locals_of_block(p.read_bytes()))}
+
+
+def wait_running(process, condition) -> None:
+    """Wait for `condition`; a launch that ends first fails the test with its output."""
+    def met() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"the launch ended (status {process.returncode}) before the interruption:\n"
+                                 + process.stdout.read()[-4000:])
+        return condition()
+    wait_for(met)
+
+
+def inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+def relaunch_cleared(output: str, stale: dict[str, int], where: str) -> None:
+    """The relaunch said it removed the killed run's blocks, and none of them is left under its name."""
+    from tokstream.train.stale_shm import SHM_DIR
+
+    assert "shared-memory blocks a killed run of this dataset left behind" in output, where
+    for name, inode in stale.items():  # a block of the same name may be this launch's own
+        assert not (SHM_DIR / name).exists() or (SHM_DIR / name).stat().st_ino != inode, where
 
 
 def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
@@ -89,8 +128,9 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
     train(2, None, tmp_path / "reference", *mixture(local_roots), *COMMON, "eval_interval=8")
     reference = metrics(tmp_path / "reference")
     check_the_mixture(reference)
-    data = mixture({name: upload(Path(root), f"s3://{BUCKET}/interruptions-{seed}/{name}")
-                    for name, root in local_roots.items()})
+    remotes = {name: upload(Path(root), f"s3://{BUCKET}/interruptions-{seed}/{name}")
+               for name, root in local_roots.items()}
+    data = mixture(remotes)
     run_dir = f"s3://{BUCKET}/runs/interrupted-{seed}"
     store = S3RunStore(run_dir, tmp_path / "reader")
 
@@ -98,8 +138,11 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
         return latest_step(store) or 0
 
     resume, ranks, bitwise_until, schedule = 0, 2, 0, []
+    killed_on = None  # the machine a SIGKILL left its cache and shared memory on
     for number, kind in enumerate(rng.sample(KINDS, len(KINDS))):
-        machine = tmp_path / f"machine{number}"
+        machine = killed_on or tmp_path / f"machine{number}"
+        stale = blocks_naming(machine / "cache") if killed_on else {}
+        assert stale or not killed_on, "the kill left no shared memory behind: the test no longer reproduces it"
         settings = launch_settings(number, ranks, rng)
         at = {"SIGTERM during evaluation": resume + 2, "SIGKILL after an epoch-end checkpoint": next_epoch_end(resume),
               "SIGKILL during a checkpoint upload": next_epoch_end(resume)}.get(kind, resume + rng.randint(1, 2))
@@ -108,16 +151,20 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
                          "preempt_grace_s=0.01"]  # and a grace period no save fits in
         if kind == "SIGKILL during a checkpoint upload":
             proxy.hold("PUT", f"/ckpt-{at:08d}.pt", seconds=120)
-        process = launch(ranks, None, run_dir, *data, *COMMON, *new_machine(machine), *settings)
+        left_behind = inode(machine / "run" / METRICS_FILE)  # the killed launch's local metrics, if any
+        process = launch(ranks, None, run_dir, *data, *COMMON, *on_machine(machine), *settings)
         if kind == "SIGKILL after an epoch-end checkpoint":
-            wait_for(lambda: latest() >= at)
+            wait_running(process, lambda: latest() >= at)
             kill_tree(process.pid)
         elif kind == "SIGKILL during a checkpoint upload":
-            wait_for(proxy.holding.is_set)  # training goes on meanwhile: the save is in the background
+            wait_running(process, proxy.holding.is_set)  # training goes on: the save is in the background
             kill_tree(process.pid)
         else:
-            steps_here = lambda: len(metrics(machine / "run"))  # noqa: E731  (the resumed steps, then this launch's)
-            wait_for(lambda: steps_here() >= (at - 1 if kind == "SIGTERM during evaluation" else at))
+            # run_local's metrics.jsonl: the steps resumed, then this launch's, once it has replaced what a
+            # killed launch left there
+            steps_here = lambda: (len(metrics(machine / "run"))  # noqa: E731
+                                  if inode(machine / "run" / METRICS_FILE) != left_behind else 0)
+            wait_running(process, lambda: steps_here() >= (at - 1 if kind == "SIGTERM during evaluation" else at))
             if kind == "SIGTERM during evaluation":
                 time.sleep(0.3)  # step `at` takes milliseconds, its evaluation seconds
             if kind == "SIGUSR1 to one rank":
@@ -127,8 +174,12 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
         output, _ = process.communicate(timeout=120)
         proxy.clear()
         stopped = latest()
-        schedule.append(f"{ranks} rank(s), {' '.join(settings)}: {kind} at step {at} -> resumes at {stopped}")
+        where_launched = "the killed run's machine" if stale else "a new machine"
+        schedule.append(f"{ranks} rank(s), {' '.join(settings)}, on {where_launched}: {kind} at step {at} -> "
+                        f"resumes at {stopped}")
         where = f"seed {seed}, {schedule[-1]}\n" + output[-3000:]
+        if stale:
+            relaunch_cleared(output, stale, where)
         assert process.returncode != 0, where  # unfinished, whichever way: a scheduler requeues it
         if kind in ("SIGTERM to torchrun", "SIGUSR1 to one rank"):
             assert re.search(r"preempted \(signal.*\): saved checkpoint at step \d+ in [\d.]+ s, [\d.]+ s after the "
@@ -144,12 +195,18 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
         if number < 2:
             bitwise_until = stopped  # trained on the reference's own settings so far
         resume, ranks = stopped, (2 if number == 0 else 3 - ranks)
+        killed_on = machine if kind.startswith("SIGKILL") else None
 
     refused_recipe(run_dir, data, tmp_path)
     micro = rng.choice(MICRO_BATCHES[ranks])
-    schedule.append(f"{ranks} rank(s), micro_batch_size={micro}: to the end")
-    output = train(ranks, None, run_dir, *data, *COMMON, f"micro_batch_size={micro}", *new_machine(tmp_path / "last"))
+    machine = killed_on or tmp_path / "last"
+    stale = blocks_naming(machine / "cache") if killed_on else {}
+    schedule.append(f"{ranks} rank(s), micro_batch_size={micro}, on "
+                    f"{'the killed run' + chr(39) + 's machine' if stale else 'a new machine'}: to the end")
+    output = train(ranks, None, run_dir, *data, *COMMON, f"micro_batch_size={micro}", *on_machine(machine))
     assert f"resumed from {run_dir}/ckpt-{resume:08d}.pt" in output
+    if stale:
+        relaunch_cleared(output, stale, schedule[-1])
 
     interrupted = metrics(run_dir)  # the copy uploaded with the final checkpoint
     print("\n".join(schedule))

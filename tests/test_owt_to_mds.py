@@ -183,7 +183,8 @@ def test_bad_input_gets_one_line_and_no_output(tmp_path, name, files, args, mess
                          ids=["SIGKILL", "SIGTERM", "a tokenizer process SIGKILLed"])
 def test_killed_conversion_never_looks_complete_and_resumes_exactly(tmp_path, sig, tokenizer_process):
     """The rerun continues the file at the saved byte offset: what lies before it is never read again
-    (here it is overwritten, size and modification time kept, and the output is still exact)."""
+    (here it is overwritten, size and modification time kept, and the output is still exact), but for
+    the byte just before, which says whether a document starts at the offset."""
     corpus = tagged_lines(tmp_path / "lines.txt", 2)
     original = corpus.read_bytes()
     args = ["--dataset", corpus, "--txt-docs", "line", "--block-size", "64", "--shard-size", "64kb",
@@ -193,7 +194,7 @@ def test_killed_conversion_never_looks_complete_and_resumes_exactly(tmp_path, si
         offset = saved_state_header(tmp_path / "out.partial")["source"]["position"]["offset"]
         assert 0 < offset < len(original)
         stamp = os.stat(corpus)
-        corpus.write_bytes(b"#" * offset + original[offset:])
+        corpus.write_bytes(b"#" * (offset - 1) + original[offset - 1:])
         os.utime(corpus, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
 
     output = kill_then_resume("convert/owt_to_mds.py", args, tmp_path / "out", sig, overwrite_what_was_read,

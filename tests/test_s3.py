@@ -199,61 +199,6 @@ def plays_on_s3(s3, dataset) -> str:
     return store.url
 
 
-def cache_settings(tmp_path) -> list[str]:
-    return [f"data.local={tmp_path / 'cache'}", "data.cache_limit=300kb"]  # under half the 700 kB dataset: evictions
-
-
-@pytest.fixture(scope="module")
-def s3_reference(reference) -> list[tuple]:
-    """The local reference run: the S3 dataset holds the same samples in the same shards (64 kB), and the
-    schedule's decay_steps is fixed, so its first 10 steps are what a 10-step run on S3 must give."""
-    return reference[:10]
-
-
-ANOTHER_JOB = """
-import sys
-from streaming import StreamingDataset
-dataset = StreamingDataset(remote=sys.argv[1], local=sys.argv[2], split="train", shuffle=False, batch_size=1)
-next(iter(dataset))
-print("reading", flush=True)
-sys.stdin.readline()
-"""
-
-
-def test_relaunch_after_a_hard_kill_clears_the_stale_shared_memory(s3_reference, plays_on_s3, tmp_path):
-    """A run killed together with its resource trackers (node-level kill, cgroup OOM) leaves
-    streaming's shared memory behind, which makes stock streaming refuse the relaunch ("Reused
-    local directory", as data.clean_stale_shared_memory=false shows); ours
-    removes those blocks at start and resumes exactly, also while another job on the node, started
-    after the kill, maps them (streaming keeps every block it walked past mapped until exit)."""
-    from tokstream.train.stale_shm import SHM_DIR, mapped_shm_inodes
-    from tokstream.train.streaming_internals import locals_of_block
-
-    run_dir = tmp_path / "run"
-    settings = [*cache_settings(tmp_path), "max_steps=10"]
-    process = training.launch(2, plays_on_s3, run_dir, *settings)
-    training.wait_for(lambda: len(training.metrics(run_dir)) >= 5)  # past the step-4 checkpoint
-    kill_tree(process.pid)
-    process.communicate(timeout=60)
-
-    cache = str(tmp_path / "cache")
-    stale = [p.name for p in SHM_DIR.glob("*_locals") if any(d.startswith(cache) for d in
-                                                           locals_of_block(p.read_bytes()))]
-    assert stale, "the kill left no shared memory behind: the test no longer reproduces a hard kill"
-    other_job = subprocess.Popen([sys.executable, "-c", ANOTHER_JOB, plays_on_s3, str(tmp_path / "other-cache")],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert other_job.stdout.readline() == "reading\n"
-        assert (SHM_DIR / stale[0]).stat().st_ino in mapped_shm_inodes()  # the other job maps our stale blocks
-
-        output = training.train(2, plays_on_s3, run_dir, *settings)
-        assert "shared-memory blocks a killed run of this dataset left behind" in output
-        assert not any((SHM_DIR / name).exists() for name in stale)
-        assert training.trained_steps(run_dir) == s3_reference
-    finally:
-        other_job.communicate("done\n", timeout=60)
-
-
 def s3_checkpointer(url: str, local, seed: int = 1):
     import torch
     from test_checkpoint import _components
@@ -312,12 +257,15 @@ def namespaces_permitted() -> bool:
                           capture_output=True).returncode == 0
 
 
+CACHE_LIMIT = "data.cache_limit=300kb"  # under half the 700 kB dataset: streaming evicts, and must resume exactly
+
+
 def launch_node(node: int, nodes: int, port: int, dataset: str, run_dir: str) -> subprocess.Popen:
     """One node's torchrun with one rank; the process is torchrun itself (unshare and sh exec it)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node}",
                 "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
                 str(ROOT / "train/main.py"), *training.BASE, f"data.remote={dataset}", f"run_dir={run_dir}",
-                "data.local=/tmp/cache", "run_local=/tmp/run"]
+                "data.local=/tmp/cache", "run_local=/tmp/run", CACHE_LIMIT]
     env = {k: v for k, v in os.environ.items() if k != "TMPDIR"}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     disk = "mount -t tmpfs node-shm /dev/shm && mount -t tmpfs node-disk /tmp"
@@ -334,7 +282,7 @@ def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_dis
     exit at once with a non-zero status a scheduler requeues on (node 0's used to wait out its exit
     barrier). Relaunched on new disks, node 1 is then lost for good (SIGKILL) right after the next
     periodic checkpoint and the job torn down; relaunched on one new node with 2 ranks, it finishes on the same
-    samples at every step."""
+    samples at every step. Every node reads through a cache under half the dataset: streaming evicts."""
     run_dir = f"s3://{BUCKET}/runs/two-nodes"
     store = S3RunStore(run_dir, tmp_path / "reader")
 
@@ -363,7 +311,7 @@ def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_dis
         node.communicate(timeout=60)
 
     output = training.train(2, plays_on_s3, run_dir, f"data.local={tmp_path / 'third' / 'cache'}",
-                            f"run_local={tmp_path / 'third' / 'run'}")
+                            f"run_local={tmp_path / 'third' / 'run'}", CACHE_LIMIT)
     assert f"resumed from {run_dir}/ckpt-{periodic:08d}.pt at step {periodic}" in output
     steps = training.metrics(run_dir)
     assert [m["step"] for m in steps] == list(range(1, len(reference) + 1))

@@ -96,7 +96,7 @@ sys.stdin.readline()
 
 
 def test_start_removes_only_unmapped_blocks_of_its_own_dataset(dataset, tmp_path):
-    """What training runs at start (that it does, through torchrun after a hard kill: test_s3.py)
+    """What training runs at start (that it does, through torchrun after a hard kill: test_interruptions.py)
     unlinks the stale streaming blocks of its own cache directories. Another job reading the same
     dataset keeps its live blocks; an unmapped block of another dataset stays too."""
     from tokstream.train.config import DataConfig

@@ -18,6 +18,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
+from typing import BinaryIO
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +30,14 @@ PARQUET_SUFFIXES = {".parquet"}
 SUPPORTED_SUFFIXES = TEXT_SUFFIXES | JSON_SUFFIXES | PARQUET_SUFFIXES
 TXT_DOC_MODES = ("file", "line", "paragraph")
 HUB_NAME = re.compile(r"^(hf://)?[\w.-]+/[\w.-]+$")
-CHUNK_BYTES = 1 << 20  # input read per chunk: large enough to amortise handing it to a worker
+CHUNK_BYTES = 1 << 20  # input per chunk: large enough to amortise handing it to a worker
+SCAN_BYTES = 1 << 16  # read at a time while looking for a chunk's boundary
 CHUNK_ROWS = 1024  # parquet rows per chunk
 CHUNK_DOCS = 4096  # documents per chunk of a datasets stream (or CHUNK_BYTES of text, whichever first)
-# A blank line made of ASCII whitespace: always a paragraph break (Unicode-only blank lines are too, but
-# are not used as chunk boundaries; the worker still splits on them).
+# Where chunks of paragraphs may be cut: after a blank line of ASCII whitespace, always a paragraph break
+# (a line blank only in Unicode's sense is one too, where the worker splits, but no chunk is cut there).
 _BLANK_LINE = re.compile(rb"\n[ \t\r\x0b\x0c]*\n")
+_NEWLINE = re.compile(rb"\n")
 
 
 @dataclass
@@ -49,14 +52,22 @@ class SourceStats:
 
 @dataclass
 class Chunk:
-    """A run of whole documents as read, decoded only by `documents` (in a tokenizer process)."""
+    """A run of whole documents, read and decoded only by `documents` (in a tokenizer process).
+
+    A local text file's chunk is a byte range, nothing read yet: the documents from the first document
+    boundary at or after byte `start` (0: the file's start) to the first at or after `stop` (None: the
+    file's end). A boundary is the position after a line's newline, or for paragraphs after a blank
+    line of ASCII whitespace (`_first_boundary`); neighbouring chunks agree on it, as both compute it
+    from the same byte. So the reading process never reads a byte of document text.
+    """
 
     kind: str  # jsonl, json-array, txt-file, txt-line, txt-paragraph, parquet, texts
-    payload: object  # the bytes read; a pyarrow string array (parquet); a list of str (texts)
     path: str
     text_column: str
-    offset: int  # of the payload in its file: the line numbers of messages are counted from it, when needed
     end: dict | None  # the source's position right after this chunk
+    payload: object = None  # what the reading process holds: a pyarrow string array (parquet), a list of str (texts)
+    start: int = 0
+    stop: int | None = None
 
     def documents(self, stats: SourceStats) -> list[str]:
         """The chunk's document texts, in order; undecodable bytes are replaced and counted in `stats`."""
@@ -69,20 +80,21 @@ class Chunk:
                 raise UserError(f"{path}: column {self.text_column!r} has a null value")
             return texts
         if self.kind == "txt-file":
-            return [_decode(self.payload, stats)]
+            return [_decode(path.read_bytes(), stats)]
         if self.kind == "json-array":
             try:
-                records = json.loads(_decode(self.payload, stats))
+                records = json.loads(_decode(path.read_bytes(), stats))
             except json.JSONDecodeError as err:
                 raise UserError(f"{path}: invalid JSON: {err}") from None
             return [_text_of(record, self.text_column, path, n) for n, record in enumerate(records, start=1)]
-        lines = io.BytesIO(self.payload)  # iterates on b"\n" only, as reading the file does
+        data, first = _read_span(path, self.kind, self.start, self.stop)
+        lines = io.BytesIO(data)  # iterates on b"\n" only, as reading the file does
         if self.kind != "jsonl":
             return list(_split_txt(lines, self.kind.removeprefix("txt-"), stats))
         try:
             return self._records(lines, stats, 1)
         except UserError:  # again, now counting the file's lines before the chunk: the message names the line
-            self._records(io.BytesIO(self.payload), SourceStats(), _line_at(path, self.offset))
+            self._records(io.BytesIO(data), SourceStats(), _line_at(path, first))
             raise
 
     def _records(self, lines: Iterator[bytes], stats: SourceStats, first_lineno: int) -> list[str]:
@@ -223,74 +235,74 @@ def _json_lines(lines: Iterator[bytes], path: Path, stats: SourceStats, first_li
 
 def _json_records(path: Path, stats: SourceStats) -> Iterator[tuple[int, object]]:
     """The records of a .jsonl file, or of a .json file holding one array of them."""
-    for chunk in _file_chunks(0, path, "", "file", {}):
-        if chunk.kind == "json-array":
-            try:
-                yield from enumerate(json.loads(_decode(chunk.payload, stats)), start=1)
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path}: invalid JSON: {err}") from None
-        else:
-            yield from _json_lines(io.BytesIO(chunk.payload), path, stats, _line_at(path, chunk.offset))
+    with open(path, "rb") as handle:
+        is_array = handle.read(1) == b"["
+    if is_array:
+        try:
+            yield from enumerate(json.loads(_decode(path.read_bytes(), stats)), start=1)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}: invalid JSON: {err}") from None
+        return
+    with open(path, "rb") as handle:
+        yield from _json_lines(handle, path, stats)
 
 
 def _file_chunks(index: int, path: Path, text_column: str, txt_docs: str, at: dict) -> Iterator[Chunk]:
     """File number `index` of a local source in chunks, from position `at` (empty: its start)."""
-    def whole(kind: str) -> Iterator[Chunk]:
-        yield Chunk(kind, path.read_bytes(), str(path), text_column, 0, {"file": index + 1})
-
     if path.suffix in PARQUET_SUFFIXES:
         yield from _parquet_chunks(index, path, text_column, at.get("row", 0))
-    elif path.suffix in JSON_SUFFIXES:
+        return
+    if path.suffix in JSON_SUFFIXES:
         with open(path, "rb") as handle:
-            is_array = handle.read(1) == b"["
-        if is_array:
-            yield from whole("json-array")
-        else:
-            yield from _line_chunks(index, path, "jsonl", text_column, at.get("offset", 0))
-    elif txt_docs == "file":
-        yield from whole("txt-file")
+            kind = "json-array" if handle.read(1) == b"[" else "jsonl"
     else:
-        yield from _line_chunks(index, path, f"txt-{txt_docs}", text_column, at.get("offset", 0))
+        kind = f"txt-{txt_docs}"
+    if kind in ("json-array", "txt-file"):  # one document, or one JSON value: the file whole
+        yield Chunk(kind, str(path), text_column, {"file": index + 1})
+        return
+    size = path.stat().st_size
+    for start in range(at.get("offset", 0), size, CHUNK_BYTES):
+        stop = start + CHUNK_BYTES
+        end = {"file": index, "offset": stop} if stop < size else {"file": index + 1}
+        yield Chunk(kind, str(path), text_column, end, start=start, stop=stop if stop < size else None)
 
 
-def _line_chunks(index: int, path: Path, kind: str, text_column: str, offset: int) -> Iterator[Chunk]:
-    """Chunks of about CHUNK_BYTES cut after a line (after a blank line: paragraphs), from byte `offset`.
-
-    Each byte is copied once on its way into a chunk: the reading process's CPU per token is what
-    bounds how many tokenizer processes it can feed."""
-    held: list[bytes | memoryview] = []  # read since the last cut, no boundary in it yet
+def _read_span(path: Path, kind: str, start: int, stop: int | None) -> tuple[bytes, int]:
+    """A chunk's bytes (Chunk: from the first boundary at or after `start` to the first at or after `stop`)
+    and the offset of the first."""
     with open(path, "rb") as handle:
-        handle.seek(offset)
-        while True:
-            block = handle.read(CHUNK_BYTES)
-            if not block:
-                if held:
-                    payload = b"".join(held)
-                    yield Chunk(kind, payload, str(path), text_column, offset,
-                                {"file": index, "offset": offset + len(payload)})
-                return
-            cut = _last_boundary(block, kind)
-            if not cut:
-                held.append(block)
-                continue
-            payload = b"".join([*held, memoryview(block)[:cut]])
-            yield Chunk(kind, payload, str(path), text_column, offset, {"file": index, "offset": offset + len(payload)})
-            offset += len(payload)
-            held = [memoryview(block)[cut:]] if cut < len(block) else []
+        first = 0 if start == 0 else _first_boundary(handle, start, kind, give_up=stop)
+        if first is None:  # no boundary starts before `stop`: the next chunk begins where this one would
+            return b"", start
+        last = None if stop is None else _first_boundary(handle, stop, kind)
+        handle.seek(first)
+        return handle.read() if last is None else handle.read(last - first), first
 
 
-def _last_boundary(block: bytes, kind: str) -> int:
-    """Where the last whole document in `block` ends; 0: none in it. A boundary that straddles two blocks
-    is missed, which only makes a chunk longer."""
-    if kind != "txt-paragraph":
-        return block.rfind(b"\n") + 1
-    position = block.rfind(b"\n\n")  # the usual blank line, found without a scan
-    if position >= 0:
-        return position + 2
-    last = None
-    for last in _BLANK_LINE.finditer(block):
-        pass
-    return last.end() if last else 0
+def _first_boundary(handle: BinaryIO, position: int, kind: str, give_up: int | None = None) -> int | None:
+    """The first document boundary at or after `position` (> 0): the end of the first newline (paragraphs:
+    blank line, newline to newline) that starts at or after byte position - 1. None: the file ends first
+    (its end is the boundary), or no such match starts before byte give_up - 1, whose own boundary is then
+    the same one.
+    """
+    pattern = _BLANK_LINE if kind == "txt-paragraph" else _NEWLINE
+    offset = position - 1
+    handle.seek(offset)
+    carry = b""  # a blank line's start, held over to the next read
+    while True:
+        block = handle.read(SCAN_BYTES)
+        data = carry + block
+        match = pattern.search(data)
+        if match:
+            return offset + match.end() if give_up is None or offset + match.start() < give_up - 1 else None
+        if not block:
+            return None
+        newline = data.rfind(b"\n")
+        held = kind == "txt-paragraph" and newline >= 0 and not data[newline + 1:].strip(b" \t\r\x0b\x0c")
+        carry = data[newline:] if held else b""
+        offset += len(data) - len(carry)  # where `carry` starts: no match starts before it
+        if give_up is not None and offset >= give_up - 1:
+            return None
 
 
 def _line_at(path: Path, offset: int) -> int:
@@ -323,7 +335,7 @@ def _parquet_chunks(index: int, path: Path, text_column: str, row: int) -> Itera
             column, skip = column.slice(min(skip, len(column))), max(0, skip - len(column))
         if len(column):
             row += len(column)
-            yield Chunk("parquet", column, str(path), text_column, 0, {"file": index, "row": row})
+            yield Chunk("parquet", str(path), text_column, {"file": index, "row": row}, payload=column)
 
 
 def _split_txt(lines: Iterator[bytes], txt_docs: str, stats: SourceStats) -> Iterator[str]:
@@ -391,9 +403,9 @@ def _hub_source(name: str, text_column: str, revision: str | None, split: str, c
             texts.append(_text_of(record, text_column, where, lineno))
             size += len(texts[-1])
             if size >= CHUNK_BYTES or len(texts) >= CHUNK_DOCS:
-                yield Chunk("texts", texts, str(where), text_column, 0, stream.state_dict())
+                yield Chunk("texts", str(where), text_column, stream.state_dict(), payload=texts)
                 texts, size = [], 0
         if texts:
-            yield Chunk("texts", texts, str(where), text_column, 0, stream.state_dict())
+            yield Chunk("texts", str(where), text_column, stream.state_dict(), payload=texts)
 
     return DocumentSource(description, chunks)
