@@ -80,3 +80,24 @@ def test_owner_records_decide_for_prefixes_our_trainer_registered(tmp_path):
         alive.communicate(b"\n", timeout=60)
         for path in killed + running + marks:
             path.unlink(missing_ok=True)
+
+
+def test_owner_records_of_a_prefix_without_blocks_go_once_their_owners_are_gone(tmp_path):
+    """A run killed after streaming unlinked its blocks leaves only its owner records: the next start
+    removes the dead owners' records, and keeps a live owner's."""
+    import subprocess
+    import sys
+
+    from tokstream.train.stale_shm import OWNER_MARK, _start_time
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = SHM_DIR / f"{PREFIX}_{OWNER_MARK}.{int(ended.stdout)}.1"
+    live = SHM_DIR / f"{PREFIX}_{OWNER_MARK}.{os.getpid()}.{_start_time(os.getpid())}"
+    try:
+        dead.touch()
+        live.touch()
+        assert remove_stale_shared_memory([str(tmp_path / "train")]) == []
+        assert not dead.exists() and live.exists()
+    finally:
+        dead.unlink(missing_ok=True)
+        live.unlink(missing_ok=True)

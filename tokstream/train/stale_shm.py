@@ -13,7 +13,8 @@ recorded themselves as its owners (`record_owner`, a `NNNNNN_tokstream_owner.PID
 beside the blocks) is still running. Whether a process maps the blocks says little, because
 every process that ever starts a StreamingDataset maps every prefix it walks past for the rest
 of its life (streaming keeps each attached block alive through an atexit hook). For a prefix
-without owner records (another program's), mapped by any process counts as in use.
+without owner records (another program's), mapped by any process counts as in use. Owner records
+left by killed processes of a prefix whose blocks are gone are removed too.
 """
 
 import os
@@ -92,6 +93,9 @@ def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
             blocks.setdefault(match.group(1), []).append(path.name)
         elif match := _OWNER.match(path.name):
             owners.setdefault(match.group(1), []).append((path.name, int(match.group(2)), int(match.group(3))))
+    for prefix, recorded in owners.items():
+        if prefix not in blocks:  # the blocks went without their owners' records (those were killed): ours, spent
+            _unlink([name for name, pid, start in recorded if _start_time(pid) != start])
     candidates = {}
     for prefix, names in blocks.items():
         try:
