@@ -13,6 +13,7 @@ row) and line; a `datasets` stream (a hub dataset with its configuration, split 
 patterns, or a builder such as "parquet" over local data files) by its own `state_dict()`.
 """
 
+import dataclasses
 import io
 import json
 import os
@@ -193,7 +194,7 @@ def _decode(raw: bytes, stats: SourceStats) -> str:
 
 
 def _check_text_column(path: Path, text_column: str) -> None:
-    """Fail before any work if the first record has no text column."""
+    """Fail before any work if the first record (a .json array: any record) has no text column."""
     if path.suffix in PARQUET_SUFFIXES:
         import pyarrow.parquet as pq
 
@@ -204,10 +205,12 @@ def _check_text_column(path: Path, text_column: str) -> None:
         if text_column not in names:
             raise UserError(f"{path} has no column {text_column!r}; columns: {', '.join(names)} "
                             "(choose one with --text-column)")
-    elif path.suffix in JSON_SUFFIXES:
-        for lineno, record in _json_records(path, SourceStats()):
-            _text_of(record, text_column, path, lineno)
-            return
+    elif path.suffix in JSON_SUFFIXES:  # read as a tokenizer process will read it
+        first = next(_file_chunks(0, path, text_column, "file", {}), None)
+        if first is not None and first.kind == "jsonl":
+            first = dataclasses.replace(first, stop=1)  # to the first boundary at or after byte 1: line 1
+        if first is not None:
+            first.documents(SourceStats())
 
 
 def _text_of(record: object, text_column: str, path: Path, lineno: int) -> str:
@@ -231,20 +234,6 @@ def _json_lines(lines: Iterator[bytes], path: Path, stats: SourceStats, first_li
             yield lineno, json.loads(_decode(raw, stats))
         except json.JSONDecodeError as err:
             raise UserError(f"{path}:{lineno}: invalid JSON line: {err.msg}") from None
-
-
-def _json_records(path: Path, stats: SourceStats) -> Iterator[tuple[int, object]]:
-    """The records of a .jsonl file, or of a .json file holding one array of them."""
-    with open(path, "rb") as handle:
-        is_array = handle.read(1) == b"["
-    if is_array:
-        try:
-            yield from enumerate(json.loads(_decode(path.read_bytes(), stats)), start=1)
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}: invalid JSON: {err}") from None
-        return
-    with open(path, "rb") as handle:
-        yield from _json_lines(handle, path, stats)
 
 
 def _file_chunks(index: int, path: Path, text_column: str, txt_docs: str, at: dict) -> Iterator[Chunk]:

@@ -39,7 +39,6 @@ class TokenizedBatch:
     train_prints: np.ndarray  # each document's 64-bit fingerprint (cleaning.fingerprint), if asked for
     val_prints: np.ndarray
     is_val: np.ndarray  # for each document in input order: whether it went to val
-    chars: int
     read: SourceStats = field(default_factory=SourceStats)  # what decoding the chunk repaired
     empty: int = 0  # documents dropped as empty
     end: dict | None = None  # the source's position right after the chunk
@@ -67,7 +66,7 @@ class TokenizedBatch:
             train_lengths=self.train_lengths[train_keep], val_lengths=self.val_lengths[val_keep],
             train_prints=self.train_prints[train_keep] if len(self.train_prints) else self.train_prints,
             val_prints=self.val_prints[val_keep] if len(self.val_prints) else self.val_prints,
-            is_val=self.is_val[keep], chars=self.chars, read=self.read, empty=self.empty, end=self.end,
+            is_val=self.is_val[keep], read=self.read, empty=self.empty, end=self.end,
             chunk=self.chunk)
 
 
@@ -107,12 +106,11 @@ def _tokenize_chunk(chunk: Chunk, tokenize: bool) -> TokenizedBatch:
     work: Work = _WORKER_STATE["work"]
     read = SourceStats()
     texts, empty = clean_texts(chunk.documents(read), work.cleaning)
-    if not tokenize:
-        nothing = np.empty(0, work.dtype)
-        return TokenizedBatch(train=nothing, val=nothing, train_lengths=np.zeros(len(texts), np.int64),
-                              val_lengths=np.empty(0, np.int64),
+    if not tokenize:  # the fingerprints, in input order (as train's: prints_in_order reads them so)
+        tokens, none = np.empty(0, work.dtype), np.empty(0, np.int64)
+        return TokenizedBatch(train=tokens, val=tokens, train_lengths=none, val_lengths=none,
                               train_prints=np.array([fingerprint(t) for t in texts], np.uint64),
-                              val_prints=np.empty(0, np.uint64), is_val=np.zeros(len(texts), bool), chars=0,
+                              val_prints=np.empty(0, np.uint64), is_val=np.zeros(len(texts), bool),
                               read=read, empty=empty, end=chunk.end)
     separator, before = [tokenizer.separator_id], tokenizer.separator_position == "before"
     ids: dict[bool, list[int]] = {False: [], True: []}
@@ -131,7 +129,7 @@ def _tokenize_chunk(chunk: Chunk, tokenize: bool) -> TokenizedBatch:
         train=np.array(ids[False], dtype=work.dtype), val=np.array(ids[True], dtype=work.dtype),
         train_lengths=np.array(lengths[False], dtype=np.int64), val_lengths=np.array(lengths[True], dtype=np.int64),
         train_prints=np.array(prints[False], dtype=np.uint64), val_prints=np.array(prints[True], dtype=np.uint64),
-        is_val=is_val, chars=sum(map(len, texts)), read=read, empty=empty, end=chunk.end,
+        is_val=is_val, read=read, empty=empty, end=chunk.end,
     )
 
 
