@@ -150,7 +150,7 @@ def main() -> None:
         if peer:
             build_litdata(root, Path(tmp) / "litdata")
         rates: dict[str, float] = {}
-        for workers in (0, 1, 2):
+        for workers in (0, 1, 2, 8):  # 8: what users set by habit
             rates[f"project workers={workers}"] = timed_batches(project_loader(str(root), None, workers), args.batches)
             rates[f"stock   workers={workers}"] = timed_batches(stock_loader(str(root), None, workers), args.batches)
             if peer:
@@ -172,6 +172,11 @@ def report(title: str, rates: dict[str, float]) -> None:
     print("  best: " + ", ".join(f"{kind} {best[kind][1].split()[-1]}" for kind in kinds))
     ratios = [f"ratio_vs_{kind}={best['project'][0] / best[kind][0]:.2f}" for kind in kinds[1:]]
     print("  " + " ".join(ratios) + (f" ratio_vs_memmap={best['project'][0] / memmap:.2f}" if memmap else ""))
+    for kind in kinds:  # item 3 of the reader's goals: workers at least as fast as none
+        alone = rates.get(f"{kind:7s} workers=0")
+        with_workers = {n.split("=")[-1]: r / alone for n, r in rates.items() if n.startswith(kind) and alone}
+        if len(with_workers) > 1:
+            print(f"  {kind} workers_vs_in_process: " + " ".join(f"{w}={r:.2f}" for w, r in with_workers.items()))
 
 
 def remote_rates(root: Path, tmp: Path, batches: int, memmap_rate: float) -> None:

@@ -7,6 +7,7 @@ cache_limit with a remote dataset (shards evicted and fetched again) the samples
 import gc
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,8 @@ from tokstream.cleaning import Cleaning
 from tokstream.options import ConversionOptions
 from tokstream.text_conversion import convert_text
 from tokstream.train.config import DataConfig
-from tokstream.train.data import collate, make_loader, to_device
+from tokstream.train.data import make_loader, to_device
+from tokstream.train import token_loader
 
 BATCH = 8
 
@@ -40,21 +42,21 @@ def fresh_copy(dataset, tmp_path, name):
     return target
 
 
-def stock_batches(root, seed: int, workers: int, state: dict | None = None, limit: int | None = None,
-                  shuffle_block_size: int | None = None):
+def stock_loader(root, seed: int, workers: int, shuffle_block_size: int | None = None):
     from streaming import StreamingDataLoader, StreamingDataset
 
     ds = StreamingDataset(local=str(root), split="train", shuffle=True, shuffle_seed=seed, num_canonical_nodes=1,
                           batch_size=BATCH, shuffle_block_size=shuffle_block_size)
-    loader = StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers, drop_last=True)
+    return StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers, drop_last=True)
+
+
+def stock_batches(root, seed: int, workers: int, state: dict | None = None, shuffle_block_size: int | None = None,
+                  epochs: int = 1):
+    loader = stock_loader(root, seed, workers, shuffle_block_size)
     if state:
         loader.load_state_dict(state)
-    out = []
-    for batch in loader:
-        out.append(batch["tokens"].numpy().copy())
-        if limit and len(out) == limit:
-            break
-    del loader, ds
+    out = [batch["tokens"].numpy().copy() for _ in range(epochs) for batch in loader]
+    del loader
     gc.collect()
     return out
 
@@ -64,7 +66,7 @@ def project_loader(root, seed: int, workers: int, **data):
     return make_loader(config, "train", BATCH, shuffle=True, pin_memory=False)
 
 
-@pytest.mark.parametrize("seed, workers", [(1, 0), (9176, 2), (424242, 0), (424242, 2)])
+@pytest.mark.parametrize("seed, workers", [(1, 0), (424242, 0)])  # with workers: below
 def test_same_samples_same_order_as_stock(dataset, tmp_path, seed, workers):
     expected = stock_batches(fresh_copy(dataset, tmp_path, "stock"), seed, workers)
     loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), seed, workers)
@@ -72,6 +74,79 @@ def test_same_samples_same_order_as_stock(dataset, tmp_path, seed, workers):
     assert loader.dataset.num_samples > 4000 and len(got) == len(expected)
     assert got[0].dtype == np.uint16  # stays narrow until the device
     np.testing.assert_array_equal(np.concatenate(got), np.concatenate(expected))
+
+
+@pytest.mark.parametrize("workers, transfer_samples", [(1, 256), (2, 8), (2, 256), (3, 24), (8, 40)])
+def test_workers_sending_several_batches_at_once_keep_stocks_order(dataset, tmp_path, monkeypatch, workers,
+                                                                    transfer_samples):
+    """Workers hand over several micro-batches per transfer (token_loader.py); the rank must still yield
+    stock's micro-batches in stock's order, over two epochs, including each worker's last, short
+    transfer (3 and 8 workers leave the workers' shares uneven, so some run out a round early)."""
+    monkeypatch.setattr(token_loader, "TRANSFER_SAMPLES", transfer_samples)
+    expected = stock_batches(fresh_copy(dataset, tmp_path, "stock"), 5, workers, epochs=2)
+    loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), 5, workers)
+    got = [batch["tokens"].numpy().copy() for _ in range(2) for batch in loader]
+    del loader
+    gc.collect()
+    assert len(got) == len(expected) > 1000
+    np.testing.assert_array_equal(np.stack(got), np.stack(expected))
+
+
+class UnevenShares(torch.utils.data.IterableDataset):
+    """Worker w has SHARES[w] samples, yielded one by one (per_item=None) or, as TokenDataset yields
+    them in a worker, as transfers of up to `per_item` samples kept to whole micro-batches of 2. The
+    workers run out rounds apart, which streaming's balanced partitions never do, but the
+    DataLoader's round order defines what happens then."""
+
+    SHARES = (70, 3, 0, 33, 1)
+
+    def __init__(self, per_item: int | None):
+        self.per_item = per_item
+
+    def __iter__(self):
+        worker = torch.utils.data.get_worker_info().id
+        ids = [100 * worker + index for index in range(self.SHARES[worker])]
+        if self.per_item is None:
+            yield from ({"id": sample_id} for sample_id in ids)
+            return
+        for start in range(0, len(ids), self.per_item):
+            kept = ids[start:start + self.per_item]
+            if kept := kept[:len(kept) // 2 * 2]:
+                yield {"worker": worker, "tokens": np.zeros((len(kept) // 2, 2, 1)), "ids": np.array(kept).reshape(-1, 2)}
+
+
+def test_transfers_follow_the_dataloaders_round_order_when_workers_run_out_rounds_apart():
+    workers = len(UnevenShares.SHARES)
+    stock = torch.utils.data.DataLoader(UnevenShares(None), batch_size=2, num_workers=workers, drop_last=True)
+    expected = [batch["id"].tolist() for batch in stock]
+    transfers = torch.utils.data.DataLoader(UnevenShares(6), batch_size=None, num_workers=workers,
+                                            collate_fn=lambda transfer: transfer)  # as TokenLoader: numpy kept
+    got = [batch["ids"].tolist() for batch in token_loader.in_stock_order(iter(transfers), workers, False)]
+    assert got == expected and len(expected) == 35 + 1 + 16
+
+
+@pytest.mark.parametrize("workers, resume_workers, resume_after", [(2, 2, 45), (3, 1, 7), (1, 3, 200)])
+def test_a_checkpoint_between_transfers_resumes_like_stock(dataset, tmp_path, workers, resume_after, resume_workers):
+    """The state after any micro-batch is stock's after the same micro-batches, whatever the workers had
+    read ahead, and a relaunch (with another worker count) continues as stock does from it."""
+    loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), 11, workers)
+    stock = stock_loader(fresh_copy(dataset, tmp_path, "stock"), 11, workers)
+    ours_it, stock_it = iter(loader), iter(stock)
+    for _ in range(resume_after):
+        np.testing.assert_array_equal(next(ours_it)["tokens"].numpy(), next(stock_it)["tokens"].numpy())
+    state = loader.state_dict()
+    assert state == stock.state_dict() and state["sample_in_epoch"] == resume_after * BATCH
+    del ours_it, stock_it, loader, stock
+    gc.collect()
+
+    resumed = project_loader(fresh_copy(dataset, tmp_path, "ours2"), 11, resume_workers)
+    resumed.load_state_dict(state)
+    got = [batch["tokens"].numpy().copy() for batch in resumed]
+    del resumed
+    gc.collect()
+    expected = stock_batches(fresh_copy(dataset, tmp_path, "stock2"), 11, resume_workers, state=state)
+    assert len(got) == len(expected) > 0
+    np.testing.assert_array_equal(np.stack(got), np.stack(expected))
 
 
 @pytest.mark.parametrize("resume_after", [1, 57, 300])
@@ -147,26 +222,79 @@ def test_tokens_reach_the_model_as_exact_int64_inputs_and_targets(dtype):
     top = np.iinfo(dtype).max
     rows = [np.array([0, 1, 32767, 32768, 50256, top], dtype=dtype),
             np.array([top, top - 1, 65535, 65536 % (top + 1), 7, 100000 % (top + 1)], dtype=dtype)]
-    batch = collate([{"tokens": row, "id": i} for i, row in enumerate(rows)])
-    inputs, targets = to_device(batch, torch.device("cpu"))
+    inputs, targets = to_device({"tokens": torch.from_numpy(np.stack(rows))}, torch.device("cpu"))
     expected = torch.from_numpy(np.stack(rows).astype(np.int64))
     assert inputs.dtype == targets.dtype == torch.int64
     assert torch.equal(inputs, expected[:, :-1]) and torch.equal(targets, expected[:, 1:])
 
 
-def test_the_vectorized_sampling_draws_what_streamings_loop_draws():
-    """How many samples an epoch draws from each shard when it takes a fraction of a stream (every epoch cut
-    to whole steps does): the fence's replacement for streaming's get_sampling, in force in every dataset,
-    against streaming's own function."""
-    from tokstream.train.streaming_internals import (get_sampling_vectorized, stock_get_sampling,
-                                                     vectorized_sampling_in_force)
+WORKERS_SCRIPT = r"""
+import gc, os, sys, time
+from pathlib import Path
+from tokstream.train.config import DataConfig
+from tokstream.train.data import make_loader
+from tokstream.testing.processes import descendants
 
-    assert vectorized_sampling_in_force()
-    rng = np.random.default_rng(0)
-    for _ in range(400):
-        shards = rng.integers(1, 60, rng.integers(1, 12)).astype(np.int64)
-        args = (shards, int(rng.integers(0, 4 * shards.sum())), int(rng.choice([1, 1, 1, 2, 3, 7, 100])),
-                int(rng.integers(0, 1000)), int(rng.integers(0, 5)), bool(rng.integers(0, 2)))
-        np.testing.assert_array_equal(get_sampling_vectorized(*args), stock_get_sampling(*args), err_msg=str(args))
-    with pytest.raises(ValueError, match="must be a non-negative integer"):
-        get_sampling_vectorized(shards, -1, 1, 0, 0, True)
+def workers() -> list[int]:  # forked: the same command line as this process
+    me = Path("/proc/self/cmdline").read_bytes()
+    return [pid for pid in descendants(os.getpid()) if Path(f"/proc/{pid}/cmdline").read_bytes() == me]
+
+loader = make_loader(DataConfig(remote=sys.argv[1], num_workers=2), "train", 8, shuffle=True, pin_memory=False)
+batches = iter(loader)
+next(batches)
+before, started = workers(), time.monotonic()
+del batches  # the DataLoader ends its workers
+gc.collect()
+print("ended", len(before), len(workers()), round(time.monotonic() - started, 1))
+batches = iter(loader)
+next(batches)
+print("workers", *workers(), flush=True)
+if sys.argv[2] == "raise":
+    raise SystemExit(3)  # with the loader alive
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie (an orphan's exit is reaped by whoever is init)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("end", ["raise", "sigkill"])
+def test_dataloader_workers_end_with_their_loader_and_with_their_rank(dataset, tmp_path, end):
+    """Workers ignore SIGTERM (only the rank reacts to a preemption), so they must end by themselves:
+    when the loader is done with them, when the rank exits on an exception with the loader alive
+    (multiprocessing's exit used to wait forever for them), and when the rank is SIGKILLed (the
+    DataLoader's watchdog notices within 5 s; streaming's download-ahead threads used to keep them)."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from conftest import ROOT
+
+    rank = subprocess.Popen([sys.executable, "-c", WORKERS_SCRIPT, str(fresh_copy(dataset, tmp_path, "ds")), end],
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    watchdog = threading.Timer(120, rank.kill)  # a hang fails the test rather than the suite
+    watchdog.start()
+    workers: list[int] = []
+    try:
+        ended = rank.stdout.readline().split()
+        assert ended[:3] == ["ended", "2", "0"] and float(ended[3]) < 4, ended  # without the 5 s join timeout
+        workers = [int(pid) for pid in rank.stdout.readline().split()[1:]]
+        assert len(workers) == 2 and all(running(pid) for pid in workers)
+        if end == "sigkill":
+            rank.kill()
+        assert rank.wait() == (3 if end == "raise" else -signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while any(running(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(running(pid) for pid in workers), "the rank's DataLoader workers still run"
+    finally:
+        watchdog.cancel()
+        for pid in [rank.pid, *workers]:  # nothing left behind if the test fails
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)

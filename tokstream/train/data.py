@@ -2,23 +2,21 @@
 
 Partitioning over ranks and workers, shuffling, mixing sources, download-ahead and resumption are
 streaming's; this module only chooses the arguments (one Stream per source: mixture.py), checks
-that a resumed run reads the same sample order, and collates uint16 tokens without widening them
-on the host. Samples themselves come from TokenDataset.get_item (token_dataset.py).
+that a resumed run reads the same sample order. Batches come from TokenDataset.get_batch
+(token_dataset.py) and reach the rank through TokenLoader (token_loader.py).
 """
 
 import hashlib
 import json
 import math
 import os
-import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from streaming import Stream, StreamingDataLoader
-from torch.utils.data import get_worker_info
+from streaming import Stream
 
 from tokstream.errors import UserError
 from tokstream.format import METADATA_FILE, DatasetMetadata, check_compatible, read_metadata, stored_file
@@ -27,6 +25,7 @@ from tokstream.train.batch_plan import BatchPlan
 from tokstream.train.config import DataConfig
 from tokstream.train.mixture import Source
 from tokstream.train.token_dataset import TokenDataset
+from tokstream.train.token_loader import TokenLoader
 
 
 def is_remote(path: str) -> bool:
@@ -196,43 +195,9 @@ class TrainBatches:
         self.loader.load_state_dict(state)
 
 
-def _epoch_after_epoch(loader: StreamingDataLoader) -> Iterator[dict[str, torch.Tensor]]:
+def _epoch_after_epoch(loader: TokenLoader) -> Iterator[dict[str, torch.Tensor]]:
     while True:  # streaming starts the next epoch on each new iterator
         yield from loader
-
-
-def collate(samples: list[dict]) -> dict:
-    """Stack into one array, still in the dataset's dtype: widened on the device, not here.
-
-    In a DataLoader worker the batch stays numpy, and so crosses to the rank by value, in one pickle
-    (TokenLoader makes it tensors there). A tensor would cross as a new shared-memory file plus a
-    file descriptor sent per tensor: for these batches of a few tens of kB, 4x slower (bench/loader.py).
-    """
-    tokens = np.stack([s["tokens"] for s in samples])
-    ids = np.array([s["id"] for s in samples], dtype=np.int64)
-    if get_worker_info() is not None:
-        return {"tokens": tokens, "ids": ids}
-    return {"tokens": torch.from_numpy(tokens), "ids": torch.from_numpy(ids)}
-
-
-class TokenLoader(StreamingDataLoader):
-    """StreamingDataLoader whose batches from workers, numpy arrays (see collate), become tensors
-    in the rank: pinned when pin_memory is set, as the DataLoader pins tensors it is given."""
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for batch in super().__iter__():
-            if isinstance(batch["tokens"], np.ndarray):
-                batch = {key: torch.from_numpy(value) for key, value in batch.items()}
-                if self.pin_memory:
-                    batch = {key: value.pin_memory() for key, value in batch.items()}
-            yield batch
-
-
-def _ignore_preemption_signals(worker_id: int) -> None:
-    """Workers share the rank's process group, which torchrun signals: only the rank should react
-    (it finishes the step and checkpoints); workers end with it."""
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, signal.SIG_IGN)
 
 
 # Streaming's own default, 8 x the batch, caps a reader: once its ready thread is that far ahead it
@@ -272,11 +237,9 @@ def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, 
     except ValueError as err:  # streaming's word on a bad setting, e.g. a cache_limit below 4 shards
         raise UserError(f"data ({split}): {err}") from None
     workers = config.num_workers if num_workers is None else num_workers
-    return TokenLoader(
-        dataset, batch_size=batch_size, collate_fn=collate, num_workers=workers, pin_memory=pin_memory,
-        drop_last=True, prefetch_factor=config.prefetch_factor if workers else None,
-        persistent_workers=False, worker_init_fn=_ignore_preemption_signals,
-    )
+    return TokenLoader(dataset, batch_size, workers, pin_memory,
+                       prefetch_factor=config.prefetch_factor if workers else None,
+                       persistent_workers=False)
 
 
 _SIGNED_OF_SAME_WIDTH = {torch.uint16: torch.int16, torch.uint32: torch.int32}

@@ -12,14 +12,16 @@ promise to keep:
 - `streaming.base.shared.prefix._unpack_locals` / `_pack_locals` and `_shm_prefix_int`: which
   cache directories a shared-memory prefix belongs to;
 - `streaming.base.dataset.get_sampling`, the name `resample_streams` calls: replaced by
-  `get_sampling_vectorized`, the same result without a Python loop per sample (see there).
+  `get_sampling_vectorized`, the same result without a Python loop per sample (epoch_order.py).
 
 To move to a new streaming version: read those names in its source, run the fast-reader and
 training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
 """
 
 import os
+import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import streaming
@@ -27,10 +29,10 @@ import streaming.base.dataset as streaming_dataset_module
 from streaming import StreamingDataset
 from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN, TICK
 from streaming.base.dataset import _ShardState
-from streaming.base.sampling import get_sampling as stock_get_sampling
 from streaming.base.shared.prefix import _pack_locals, _unpack_locals
 
 from tokstream.errors import UserError
+from tokstream.train.epoch_order import get_sampling_vectorized
 
 CHECKED_VERSIONS = ("0.13.0",)
 if streaming.__version__ not in CHECKED_VERSIONS:
@@ -47,35 +49,6 @@ LOCALS_BLOCK = LOCALS
 LOCK_FILE_SUFFIXES = (BARRIER_FILELOCK, CACHE_FILELOCK)
 
 
-def get_sampling_vectorized(samples_per_shard: np.ndarray, choose: int, granularity: int, seed: int, epoch: int,
-                            use_epoch: bool) -> np.ndarray:
-    """streaming's `get_sampling`, the same numbers, without its Python loop over every sample.
-
-    When a stream's epoch draws a fraction of its samples (every epoch cut to whole steps does),
-    streaming shuffles the stream's "picks" (one per sample at granularity 1) and adds them up in a
-    Python loop until the epoch is full: 12-21 s at OpenWebText's 8.8 M samples on this machine, in
-    the node's first rank at every epoch start and every resume, before the first batch
-    (bench/scale.py). At streaming's default granularity of one sample per pick, the loop takes the
-    first `remainder` shuffled picks, which is a slice and a count per shard. Equal to streaming's
-    on random inputs (tests/test_fast_reader.py).
-    """
-    num_samples = int(np.sum(samples_per_shard))
-    if granularity != 1 or choose < 0 or seed < 0 or epoch < 0 or not choose % num_samples:
-        # Its checks, its whole-repeat case, and a sampling_granularity this project never sets.
-        return stock_get_sampling(samples_per_shard, choose, granularity, seed, epoch, use_epoch)
-    # A pick per sample, shuffled with streaming's generator: the first `remainder` picks count, 1 each.
-    remainder = choose % num_samples
-    ordering = np.random.default_rng(seed + epoch if use_epoch else seed).permutation(num_samples)
-    ends = np.cumsum(samples_per_shard)
-    whole = samples_per_shard * (choose // num_samples)
-    if remainder <= num_samples // 2:
-        return whole + np.bincount(np.searchsorted(ends, ordering[:remainder], side="right"),
-                                   minlength=len(samples_per_shard))
-    # An epoch cut to whole steps leaves out a few picks: count those (0.5 s less at 8.8 M samples).
-    left_out = np.bincount(np.searchsorted(ends, ordering[remainder:], side="right"), minlength=len(samples_per_shard))
-    return whole + samples_per_shard - left_out
-
-
 streaming_dataset_module.get_sampling = get_sampling_vectorized
 
 
@@ -89,10 +62,22 @@ def shard_is_local(dataset: StreamingDataset, shard_id: int) -> bool:
     return dataset._shard_states[shard_id] == _LOCAL
 
 
+def shards_are_local(dataset: StreamingDataset, shard_ids: np.ndarray) -> np.ndarray:
+    """shard_is_local for many shards at once."""
+    return dataset._shard_states.numpy()[shard_ids] == _LOCAL
+
+
 def mark_shard_used(dataset: StreamingDataset, shard_id: int) -> None:
     """Tell streaming's least-recently-used eviction that the shard was just read."""
     if dataset.cache_limit:
         dataset._shard_access_times[shard_id] = time.time_ns()
+
+
+def shard_of_samples(dataset: StreamingDataset, sample_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each sample's shard and its index in the shard (streaming's Spanner, for many ids at once)."""
+    bounds = dataset.spanner.shard_bounds
+    shards = np.searchsorted(bounds, sample_ids, side="right") - 1
+    return shards, sample_ids - bounds[shards]
 
 
 def shard_file(dataset: StreamingDataset, shard_id: int) -> str:
@@ -130,7 +115,54 @@ class WindowedDownloadAhead(StreamingDataset):
     samples per second their Python loops take the GIL from the consumer. These overrides keep
     streaming's logic, bounds and order but handle a window of samples at once, touching each
     shard once per window.
+
+    They also end once the process's main thread has: streaming's own threads keep waiting for the
+    consumer, and the interpreter's exit waits for them, so a DataLoader worker whose rank had ended
+    or died hung at exit forever. (Workers ignore SIGTERM, so the DataLoader could not end them.)
     """
+
+    def _far_enough_ahead(self, index: int, it) -> bool:
+        """Whether a thread that has reached `index` should sleep a tick.
+
+        Stock moves again as soon as the consumer takes one sample, so at tens of thousands of
+        samples a second its threads never sleep and keep taking the GIL from the consumer: reading
+        from local disk ran 2.5-4x slower than with the threads idle (bench/loader.py). Here a thread
+        moves once the consumer has taken a quarter of the predownload window since.
+        """
+        if self.predownload is None:
+            return False
+        return index - it.yield_index > self.predownload - self.predownload // 4
+
+    def _stopping(self, it) -> bool:
+        return it.should_exit() or self._event.is_set() or not threading.main_thread().is_alive()
+
+    def _each_sample_id(self, it) -> Iterator[list[int]]:
+        """Stock's yield loop, but yielding the ids of `samples_per_item()` samples at a time: streaming's
+        __iter__ passes each list to __getitem__, which a subclass reads as one item. At the end, the
+        whole batches (of the dataset's batch_size) left are the last item; the rest is dropped, as a
+        DataLoader's drop_last drops a partial batch."""
+        group: list[int] = []
+        size = self.samples_per_item()
+        while not (it.should_exit() or self._event.is_set()):
+            if it.yield_index == it.total:
+                if whole := len(group) // self.batch_size * self.batch_size:
+                    yield group[:whole]
+                break
+            if it.ready_index <= it.yield_index:
+                time.sleep(TICK)
+                continue
+            stop = min(it.ready_index, it.yield_index + size - len(group))
+            ids = it.sample_ids[it.yield_index:stop]
+            group += ids[ids != -1].tolist()  # -1: padding in streaming's partition
+            it.yield_index = stop
+            if len(group) == size:
+                yield group
+                group = []
+        it.on_exit()
+
+    def samples_per_item(self) -> int:
+        """How many samples _each_sample_id groups into one item (a DataLoader batch or more)."""
+        raise NotImplementedError
 
     def _window(self, it, start: int) -> tuple[int, np.ndarray]:
         """End of the window of samples from `start` within the predownload bound, and its shards in order."""
@@ -142,11 +174,11 @@ class WindowedDownloadAhead(StreamingDataset):
         return stop, shards[np.sort(first)]
 
     def _prepare_thread(self, it) -> None:
-        while not (it.should_exit() or self._event.is_set()):
+        while not self._stopping(it):
             if it.prepare_index == it.total or it.ready_index == it.total:
                 it.prepare_index = it.total
                 break
-            if self.predownload is not None and self.predownload < it.prepare_index - it.yield_index:
+            if self._far_enough_ahead(it.prepare_index, it):
                 time.sleep(TICK)
                 continue
             stop, shards = self._window(it, it.prepare_index)
@@ -156,10 +188,10 @@ class WindowedDownloadAhead(StreamingDataset):
         it.on_exit()
 
     def _ready_thread(self, it) -> None:
-        while not (it.should_exit() or self._event.is_set()):
+        while not self._stopping(it):
             if it.ready_index == it.total:
                 break
-            if self.predownload is not None and self.predownload < it.ready_index - it.yield_index:
+            if self._far_enough_ahead(it.ready_index, it):
                 time.sleep(TICK)
                 continue
             stop, shards = self._window(it, it.ready_index)
@@ -176,7 +208,7 @@ class WindowedDownloadAhead(StreamingDataset):
         loaded node with a small cache_limit).
         """
         while self._shard_states[shard_id] != _LOCAL:
-            if it.should_exit() or self._event.is_set():
+            if self._stopping(it):
                 return False
             if self._shard_states[shard_id] == _REMOTE:
                 self.prepare_shard(shard_id, False)

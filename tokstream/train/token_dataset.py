@@ -1,34 +1,43 @@
-"""The fast reader: where a training sample is produced.
+"""The fast reader: where training batches are produced.
 
-`TokenDataset.get_item(sample_id)` returns one sample, a (block_size + 1) uint16/uint32 view of
-a memory-mapped shard, plus its global id. Which ids a rank asks for, in which order, and when
-shards are downloaded or evicted stay stock streaming's (StreamingDataset's partitioning,
-shuffle, resume state and cache); the private parts of streaming this relies on are fenced in
-streaming_internals.py.
+`TokenDataset` yields whole batches: streaming's yield loop hands over the ids of a micro-batch (or,
+in a DataLoader worker, of a transfer of several: token_loader.py) at once, and `get_batch` reads
+them as (block_size + 1)-token rows of memory-mapped shards, stacked once into the batch's own
+array. Which ids a rank asks for, in which order, and when shards are downloaded or evicted stay
+stock streaming's (StreamingDataset's partitioning, shuffle, resume state and cache); the private
+parts of streaming this relies on are fenced in streaming_internals.py.
 """
 
 import os
 
 import numpy as np
+import torch
+from torch.utils.data import get_worker_info
 
 from tokstream.format import parse_column_encoding, shard_samples
 from tokstream.train import streaming_internals as internals
 from tokstream.train.stale_shm import record_owner, release_owner
 
+_TORCH_DTYPE = {np.dtype(np.uint16): torch.uint16, np.dtype(np.uint32): torch.uint32}
+
 
 class TokenDataset(internals.WindowedDownloadAhead):
-    """Stock StreamingDataset with a per-sample path for this format's fixed-size token samples.
+    """Stock StreamingDataset that yields batches of this format's fixed-size token samples.
 
     Stock `get_item` opens, seeks and reads the shard file and parses the column encodings for
-    every sample. Here each local shard is memory-mapped once (per process) and a sample is a
-    slice of it, no copy. A shard that is not local in streaming's shared state (not downloaded
-    yet, being downloaded, or evicted) goes through stock `get_item`, which fetches it, and is
-    mapped afresh afterwards; a mapping is dropped the moment its shard stops being local, so an
-    evicted file is never read and its disk space is really freed.
+    every sample, and a DataLoader asks for samples one Python call chain at a time. Here each local
+    shard is memory-mapped once (per process) and a batch is its samples' rows stacked into one
+    array: in the rank, a tensor in pinned memory when `pin_batches` is set (the one copy on the
+    way to the GPU). A shard that is not local in streaming's shared state (not downloaded yet,
+    being downloaded, or evicted) goes through stock `get_item`, which fetches it, and is mapped
+    afresh afterwards; a mapping is dropped the moment its shard stops being local, so an evicted
+    file is never read and its disk space is really freed.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.pin_batches = False  # set by TokenLoader
+        self.transfer_samples: int | None = None  # samples per item in a DataLoader worker (TokenLoader)
         self._views: dict[int, np.ndarray] = {}  # shard id -> (samples, tokens) view of its mapped file
         self._sample_format: tuple[np.dtype, int] | None = None
         # Lets a relaunch tell this prefix's shared memory from a killed run's (stale_shm.py).
@@ -39,17 +48,25 @@ class TokenDataset(internals.WindowedDownloadAhead):
             release_owner(self._owner_record)
         super().__del__()
 
+    def samples_per_item(self) -> int:
+        in_worker = get_worker_info() is not None
+        return self.transfer_samples if in_worker and self.transfer_samples else self.batch_size
+
+    def __getitem__(self, at):
+        if isinstance(at, list):  # a batch's ids, from _each_sample_id
+            return self.get_batch(at)
+        return super().__getitem__(at)
+
     def _map_shard(self, shard_id: int) -> np.ndarray:
-        if self._sample_format is None:
-            self._sample_format = parse_column_encoding(internals.first_column_encoding(self))
-        dtype, length = self._sample_format
+        dtype, length = self.sample_format()
         path = internals.shard_file(self, shard_id)
         # A plain ndarray view: slicing a np.memmap subclass costs far more per sample.
         return shard_samples(np.asarray(np.memmap(path, dtype=np.uint8, mode="r")), dtype, length)
 
-    def _stock_item(self, sample_id: int) -> dict:
-        """Stock streaming's read, which also fetches a shard that is not local."""
-        return {"tokens": super().get_item(sample_id)["tokens"], "id": sample_id}
+    def sample_format(self) -> tuple[np.dtype, int]:
+        if self._sample_format is None:
+            self._sample_format = parse_column_encoding(internals.first_column_encoding(self))
+        return self._sample_format
 
     def _unmap_evicted(self) -> None:
         """Drop the mappings of shards that are no longer local, so an evicted file's disk space is
@@ -58,17 +75,50 @@ class TokenDataset(internals.WindowedDownloadAhead):
         for shard_id in [s for s in self._views if not internals.shard_is_local(self, s)]:
             del self._views[shard_id]
 
-    def get_item(self, sample_id: int) -> dict:
-        shard_id, index = self.spanner[sample_id]
-        if not internals.shard_is_local(self, shard_id):
-            self._views.pop(shard_id, None)
-            return self._stock_item(sample_id)
+    def _local_view(self, shard_id: int) -> np.ndarray | None:
+        """The mapped shard, or None if it is not local (stock get_item then fetches it)."""
         view = self._views.get(shard_id)
         if view is None:
             self._unmap_evicted()
             try:
                 view = self._views[shard_id] = self._map_shard(shard_id)
             except FileNotFoundError:  # evicted by another rank between the state check and here
-                return self._stock_item(sample_id)
+                return None
         internals.mark_shard_used(self, shard_id)
-        return {"tokens": view[index], "id": sample_id}
+        return view
+
+    def _rows(self, sample_ids: np.ndarray) -> list[np.ndarray]:
+        shards, indices = internals.shard_of_samples(self, sample_ids)
+        local = dict(zip(shards.tolist(), internals.shards_are_local(self, shards).tolist()))
+        views = {}
+        for shard_id, is_local in local.items():
+            if not is_local:
+                self._views.pop(shard_id, None)
+            views[shard_id] = self._local_view(shard_id) if is_local else None
+        rows = []
+        for sample_id, shard_id, index in zip(sample_ids.tolist(), shards.tolist(), indices.tolist()):
+            view = views[shard_id]
+            rows.append(view[index] if view is not None else super().get_item(sample_id)["tokens"])
+        return rows
+
+    def get_batch(self, sample_ids: list[int]) -> dict:
+        """The samples' tokens as one (samples, block_size + 1) array, and their ids.
+
+        In the rank: tensors, the tokens pinned if `pin_batches`. In a DataLoader worker: numpy arrays
+        shaped as whole micro-batches, with the worker's id (they cross to the rank in one pickle).
+        """
+        ids = np.array(sample_ids, dtype=np.int64)
+        dtype, length = self.sample_format()
+        worker = get_worker_info()
+        if worker is not None:
+            tokens = np.empty((len(ids), length), dtype)
+            np.stack(self._rows(ids), out=tokens)
+            return {"worker": worker.id, "tokens": tokens.reshape(-1, self.batch_size, length),
+                    "ids": ids.reshape(-1, self.batch_size)}
+        tokens = torch.empty((len(ids), length), dtype=_TORCH_DTYPE[dtype], pin_memory=self.pin_batches)
+        np.stack(self._rows(ids), out=tokens.numpy())
+        return {"tokens": tokens, "ids": torch.from_numpy(ids)}
+
+    def get_item(self, sample_id: int) -> dict:
+        """One sample (dataset[i]): a view of its mapped shard."""
+        return {"tokens": self._rows(np.array([sample_id]))[0], "id": sample_id}

@@ -1,9 +1,9 @@
 """Training GPT-2 from a converted dataset: `setup` builds a run, `train` is the loop.
 
 Where a sample is produced: `next(run.batches)` (data.TrainBatches) pulls a micro-batch from
-StreamingDataLoader, which asks the rank's share of streaming's shuffled sample order from
-TokenDataset.get_item (token_dataset.py) and stacks it with data.collate; data.to_device widens
-the tokens on the device.
+TokenLoader (token_loader.py), which takes the rank's share of streaming's shuffled sample order a
+micro-batch at a time from TokenDataset.get_batch (token_dataset.py), stacked into (pinned) host
+memory; data.to_device widens the tokens on the device.
 """
 
 import os

@@ -1,0 +1,129 @@
+"""How micro-batches get from TokenDataset to the rank: stock StreamingDataLoader order, fewer hand-offs.
+
+In the rank (num_workers=0) a micro-batch is stacked straight into the tensor the trainer copies
+to the GPU: pinned memory when it will be (one copy, from the mapped shard to where the device
+reads it), still in the dataset's dtype (widened on the device: data.to_device).
+
+With DataLoader workers, every batch a worker sends costs a pickle, a pipe and a queue hop on both
+sides, about 0.3 ms here: as much as reading the batch itself, so one worker ran at half the
+in-process rate (bench/loader.py). Here a worker sends a *transfer* of several micro-batches at
+once (at least TRANSFER_SAMPLES samples), and the rank puts the micro-batches back in the order
+stock StreamingDataLoader yields them: the DataLoader takes one batch from each worker in turn
+(worker 0, 1, ..., then round again), a worker that has run out drops out of the round. Streaming's
+resume state counts the samples the rank has yielded, as stock streaming does, so a checkpoint
+taken between any two micro-batches resumes exactly, whatever the workers had read ahead.
+"""
+
+import atexit
+import os
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+
+import torch
+from streaming import StreamingDataLoader
+from torch.utils.data import DataLoader
+
+from tokstream.train.token_dataset import TokenDataset
+
+# 0.3 ms per hand-off over at least 256 samples: a few percent of a worker's time.
+TRANSFER_SAMPLES = 256
+
+
+def start_worker(worker_id: int) -> None:
+    """A DataLoader worker's start.
+
+    Workers share the rank's process group, which torchrun and schedulers signal; only the rank
+    should react (it finishes the step and checkpoints), and a worker killed by SIGTERM would fail
+    the rank's next batch: so workers ignore SIGTERM and SIGUSR1, and end by themselves instead.
+    With their loader, the DataLoader's way; with their rank, here: the DataLoader's own watchdog
+    sees a dead rank, but the worker then waits forever at exit for its queue's thread, blocked
+    writing a batch into a pipe no one reads.
+    """
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_rank, args=(os.getppid(),), name="exit-with-rank", daemon=True).start()
+
+
+def _exit_with_rank(rank_pid: int) -> None:
+    while os.getppid() == rank_pid:
+        time.sleep(0.5)
+    os._exit(0)  # the rank is gone: nothing this worker holds can reach it
+
+
+# The DataLoader iterators with workers that are alive in this process.
+_WITH_WORKERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
+
+
+@atexit.register
+def _end_workers() -> None:
+    """At exit, end the workers of loaders still alive (a rank ending on an exception), the DataLoader's
+    own way. multiprocessing's exit would SIGTERM them, which they ignore, and then wait for them forever."""
+    for batches in list(_WITH_WORKERS):
+        batches._shutdown_workers()
+
+
+def _as_is(item: dict) -> dict:
+    """The DataLoader's collate_fn: TokenDataset's items are batches already."""
+    return item
+
+
+def in_stock_order(transfers: Iterator[dict], num_workers: int, pin_memory: bool) -> Iterator[dict]:
+    """The micro-batches of the workers' transfers in the order stock StreamingDataLoader yields them.
+
+    Transfers arrive round by round (the DataLoader asks the workers in turn), each holding the next
+    few micro-batches of its worker. A round is complete once the last worker has sent, or a transfer
+    from an earlier worker (the next round) or the end shows that the later ones have run out. Its
+    micro-batches are yielded interleaved: the first of each worker in worker order, then the second...
+    """
+    round_: list[dict] = []
+    for transfer in transfers:
+        if round_ and transfer["worker"] <= round_[-1]["worker"]:
+            yield from _interleaved(round_)
+            round_ = []
+        round_.append(_as_tensors(transfer, pin_memory))
+        if transfer["worker"] == num_workers - 1:
+            yield from _interleaved(round_)
+            round_ = []
+    yield from _interleaved(round_)
+
+
+def _as_tensors(transfer: dict, pin_memory: bool) -> dict:
+    tokens = torch.from_numpy(transfer["tokens"])
+    if pin_memory and len(tokens):
+        tokens = tokens.pin_memory()  # one copy per transfer; the micro-batches are views of it
+    return {"worker": transfer["worker"], "tokens": tokens, "ids": torch.from_numpy(transfer["ids"])}
+
+
+def _interleaved(round_: list[dict]) -> Iterator[dict]:
+    for index in range(max((len(transfer["ids"]) for transfer in round_), default=0)):
+        for transfer in round_:
+            if index < len(transfer["ids"]):
+                yield {"tokens": transfer["tokens"][index], "ids": transfer["ids"][index]}
+
+
+class TokenLoader(StreamingDataLoader):
+    """StreamingDataLoader over a TokenDataset: the same micro-batches in the same order as stock, its
+    state the same count of samples yielded. The dataset yields whole batches (token_dataset.py):
+    micro-batches in the rank, transfers in workers (see the module)."""
+
+    def __init__(self, dataset: TokenDataset, batch_size: int, num_workers: int, pin_memory: bool, **kwargs):
+        if dataset.batch_size != batch_size:
+            raise ValueError(f"the dataset's batch_size {dataset.batch_size} is not the loader's {batch_size}")
+        self.pins = pin_memory
+        dataset.pin_batches = pin_memory and not num_workers  # workers' batches are pinned on arrival
+        dataset.transfer_samples = batch_size * max(1, -(-TRANSFER_SAMPLES // batch_size))
+        super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=_as_is,
+                         worker_init_fn=start_worker, **kwargs)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        self.num_samples_yielded = 0
+        batches = DataLoader.__iter__(self)  # not StreamingDataLoader's: it would count transfers
+        if self.num_workers:
+            _WITH_WORKERS.add(batches)
+            batches = in_stock_order(batches, self.num_workers, self.pins)
+        for batch in batches:
+            self.num_samples_yielded += len(batch["ids"])
+            yield batch
