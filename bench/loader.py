@@ -172,6 +172,8 @@ def report(title: str, rates: dict[str, float]) -> None:
     print("  best: " + ", ".join(f"{kind} {best[kind][1].split()[-1]}" for kind in kinds))
     ratios = [f"ratio_vs_{kind}={best['project'][0] / best[kind][0]:.2f}" for kind in kinds[1:]]
     print("  " + " ".join(ratios) + (f" ratio_vs_memmap={best['project'][0] / memmap:.2f}" if memmap else ""))
+    if "litdata" in best and "project workers=0" in rates:  # training's default against litData at its best
+        print(f"  ratio_training_default_vs_litdata_best={rates['project workers=0'] / best['litdata'][0]:.2f}")
     for kind in kinds:  # item 3 of the reader's goals: workers at least as fast as none
         alone = rates.get(f"{kind:7s} workers=0")
         with_workers = {n.split("=")[-1]: r / alone for n, r in rates.items() if n.startswith(kind) and alone}

@@ -4,12 +4,16 @@ These replacements decide which samples an epoch holds and in which order, so "e
 equality on random inputs, covering each path they take.
 """
 
+import warnings
+
 import numpy as np
 import pytest
 from streaming.base.sampling import get_sampling as stock_get_sampling
+from streaming.base.shuffle import get_shuffle
+from streaming.base.shuffle.py1e import get_shuffle_py1e
 
 from tokstream.train import epoch_order
-from tokstream.train.epoch_order import get_sampling_vectorized, permutation_tail
+from tokstream.train.epoch_order import get_sampling_vectorized, get_shuffle_py1e_lean, permutation_tail
 
 
 def test_the_tail_of_numpys_permutation_drawn_alone_is_numpys():
@@ -37,3 +41,24 @@ def test_the_vectorized_sampling_draws_what_streamings_loop_draws(monkeypatch, m
         np.testing.assert_array_equal(get_sampling_vectorized(*args), stock_get_sampling(*args), err_msg=str(args))
     with pytest.raises(ValueError, match="must be a non-negative integer"):
         get_sampling_vectorized(shards, -1, 1, 0, 0, True)
+
+
+def test_the_lean_py1e_shuffle_is_streamings_and_is_the_one_in_force():
+    from tokstream.train.streaming_internals import lean_shuffle_in_force
+
+    assert lean_shuffle_in_force()
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        shards = rng.integers(1, 3000, rng.integers(1, 40)).astype(np.int64)
+        args = (shards, int(rng.integers(1, min(9, shards.sum()) + 1)), int(rng.integers(0, 2**31)),
+                int(rng.integers(0, 5)), int(rng.choice([1000, 5000, 1 << 18])))
+        with warnings.catch_warnings(record=True) as stock_warned:
+            warnings.simplefilter("always")
+            expected = get_shuffle_py1e(*args)
+        with warnings.catch_warnings(record=True) as lean_warned:
+            warnings.simplefilter("always")
+            got = get_shuffle("py1e", *args)
+        np.testing.assert_array_equal(got, expected, err_msg=str(args))
+        assert got.dtype == expected.dtype and len(lean_warned) == len(stock_warned)
+    with pytest.raises(ValueError, match="canonical node is 0"):
+        get_shuffle_py1e_lean(np.array([1], dtype=np.int64), 2, 0, 0)

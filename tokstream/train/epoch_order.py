@@ -8,13 +8,18 @@ by streaming_internals.py:
 - `get_sampling_vectorized` for streaming's `get_sampling`: how many samples an epoch draws from
   each shard when it draws a fraction of a stream (every epoch cut to whole steps does);
 - `permutation_tail`: the last entries of numpy's `Generator.permutation`, which is all that
-  sampling needs when an epoch leaves out only a few samples.
+  sampling needs when an epoch leaves out only a few samples;
+- `get_shuffle_py1e_lean` for streaming's `py1e` shuffle (the default): the same random draws and
+  the same sort, in 3 arrays of the epoch's size at most instead of 5.
 
 Each is tested equal to the original on random inputs (tests/test_fast_reader.py).
 """
 
+import warnings
+
 import numpy as np
 from streaming.base.sampling import get_sampling as stock_get_sampling
+from streaming.base.shuffle.py1s import divide_spans
 
 # Below this many left-out picks, drawing them one by one in Python beats a whole permutation.
 MAX_TAIL = 100_000
@@ -81,3 +86,66 @@ def permutation_tail(seed: int, n: int, count: int) -> np.ndarray:
     if first == 0:  # position 0 is never drawn for: it keeps what the swaps left there
         tail[0] = moved.get(0, 0)
     return tail
+
+
+def get_shuffle_py1e_lean(shard_sizes: np.ndarray, num_canonical_nodes: int, seed: int, epoch: int,
+                          block_size: int = 1 << 18) -> np.ndarray:
+    """streaming's `get_shuffle_py1e`, the same ids, in 3 arrays of the epoch's size at most, not 5.
+
+    Its steps, in its order: shards in a run-wide shuffled order cut at canonical node boundaries,
+    each node's spans shuffled this epoch, each span's samples shuffled, each sample moved by a
+    uniform shift within a block and the node's samples sorted by position (numpy's default
+    argsort, as there). Stock holds the node's samples as float64 beside their positions, the sort
+    order and two copies of the result; here the samples go straight into the output and the
+    positions' memory takes the reordered copy: 210 MB instead of 350 MB at OpenWebText's 8.8 M.
+    """
+    spans, num_samples = [], 0
+    for shard_size in shard_sizes:
+        spans.append((num_samples, num_samples + shard_size))
+        num_samples += shard_size
+    np.random.default_rng(seed).shuffle(spans)
+    spans, super_spans = divide_spans(spans, num_samples, num_canonical_nodes)
+    epoch_rng = np.random.default_rng(seed + epoch)
+    for begin, end in super_spans:
+        part = spans[begin:end]
+        epoch_rng.shuffle(part)
+        spans[begin:end] = part
+
+    ids = np.empty(num_samples, np.int64)
+    offset, unshuffled_spans = 0, False
+    for node_begin, node_end in super_spans:
+        node_spans = spans[node_begin:node_end]
+        span_sizes = [end - begin for begin, end in node_spans]
+        node_samples = int(sum(span_sizes))
+        if node_samples == 0:
+            raise ValueError(f"The number of samples assigned to a canonical node is 0: the stream has fewer "
+                             f"samples than num_canonical_nodes ({num_canonical_nodes}); reduce num_canonical_nodes.")
+        samples = ids[offset:offset + node_samples]
+        inserted = 0
+        for begin, end in node_spans:
+            span_samples = np.arange(begin, end)
+            epoch_rng.shuffle(span_samples)
+            samples[inserted:inserted + end - begin] = span_samples
+            inserted += end - begin
+        positions = np.arange(node_samples, dtype=np.float64)
+        span_offset = 0
+        for span_size in span_sizes:
+            block = epoch_rng.integers(int(0.75 * block_size), int(1.25 * block_size))
+            cutoff = (block - span_size) / 2
+            if cutoff < 0:
+                cutoff, unshuffled_spans = 0, True
+            low = max(-cutoff, -span_offset)
+            high = min(cutoff, node_samples - span_offset - span_size)
+            positions[span_offset:span_offset + span_size] += epoch_rng.uniform(low=low, high=high, size=span_size)
+            span_offset += span_size
+        order = np.argsort(positions)
+        reordered = positions.view(np.int64)  # the positions are spent: their memory takes the result
+        np.take(samples, order, out=reordered)
+        samples[:] = reordered
+        del order, positions, reordered
+        offset += node_samples
+    if unshuffled_spans:
+        warnings.warn("Shuffle block size was smaller than shard size for some shards. This will result in "
+                      "these shards not being shuffled with other shards. Set shuffle_block_size to a larger "
+                      "value for a higher quality shuffle.")
+    return ids

@@ -12,7 +12,9 @@ promise to keep:
 - `streaming.base.shared.prefix._unpack_locals` / `_pack_locals` and `_shm_prefix_int`: which
   cache directories a shared-memory prefix belongs to;
 - `streaming.base.dataset.get_sampling`, the name `resample_streams` calls: replaced by
-  `get_sampling_vectorized`, the same result without a Python loop per sample (epoch_order.py).
+  `get_sampling_vectorized`, the same result without a Python loop per sample (epoch_order.py);
+- `streaming.base.shuffle.algos["py1e"]`: replaced by `get_shuffle_py1e_lean`, the same ids in
+  less memory (epoch_order.py).
 
 To move to a new streaming version: read those names in its source, run the fast-reader and
 training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
@@ -26,13 +28,14 @@ from collections.abc import Iterator
 import numpy as np
 import streaming
 import streaming.base.dataset as streaming_dataset_module
+import streaming.base.shuffle as streaming_shuffle_module
 from streaming import StreamingDataset
 from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN, TICK
 from streaming.base.dataset import _ShardState
 from streaming.base.shared.prefix import _pack_locals, _unpack_locals
 
 from tokstream.errors import UserError
-from tokstream.train.epoch_order import get_sampling_vectorized
+from tokstream.train.epoch_order import get_sampling_vectorized, get_shuffle_py1e_lean
 
 CHECKED_VERSIONS = ("0.13.0",)
 if streaming.__version__ not in CHECKED_VERSIONS:
@@ -50,6 +53,12 @@ LOCK_FILE_SUFFIXES = (BARRIER_FILELOCK, CACHE_FILELOCK)
 
 
 streaming_dataset_module.get_sampling = get_sampling_vectorized
+streaming_shuffle_module.algos["py1e"] = get_shuffle_py1e_lean  # streaming's registry of shuffle algorithms
+
+
+def lean_shuffle_in_force() -> bool:
+    """Whether streaming's py1e shuffle is get_shuffle_py1e_lean."""
+    return streaming_shuffle_module.algos["py1e"] is get_shuffle_py1e_lean
 
 
 def vectorized_sampling_in_force() -> bool:
