@@ -102,9 +102,8 @@ def run_ranks(root: Path, samples: int, ranks: int, position: float) -> tuple[li
 
 def sampling_times(root: Path, epoch: int) -> str:
     """streaming's get_sampling against the fence's, on this dataset's shard sizes, for the cut epoch."""
-    from streaming.base.sampling import get_sampling as stock_get_sampling
-
     from tokstream.train.epoch_order import get_sampling_vectorized
+    from tokstream.train.streaming_internals import stock_get_sampling
 
     index = json.loads((root / "train" / "index.json").read_text())
     shards = np.array([shard["samples"] for shard in index["shards"]], dtype=np.int64)

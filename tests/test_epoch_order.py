@@ -8,12 +8,11 @@ import warnings
 
 import numpy as np
 import pytest
-from streaming.base.sampling import get_sampling as stock_get_sampling
-from streaming.base.shuffle import get_shuffle
-from streaming.base.shuffle.py1e import get_shuffle_py1e
 
 from tokstream.train import epoch_order
 from tokstream.train.epoch_order import get_sampling_vectorized, get_shuffle_py1e_lean, permutation_tail
+from tokstream.train.streaming_internals import epoch_order_in_force, get_shuffle, stock_get_sampling
+from tokstream.train.streaming_internals import stock_get_shuffle_py1e as get_shuffle_py1e
 
 
 def test_the_tail_of_numpys_permutation_drawn_alone_is_numpys():
@@ -29,9 +28,7 @@ def test_the_tail_of_numpys_permutation_drawn_alone_is_numpys():
 def test_the_vectorized_sampling_draws_what_streamings_loop_draws(monkeypatch, max_tail):
     """How many samples an epoch draws from each shard when it takes a fraction of a stream (every epoch cut
     to whole steps does), in force in every dataset (streaming_internals.py), against streaming's own."""
-    from tokstream.train.streaming_internals import vectorized_sampling_in_force
-
-    assert vectorized_sampling_in_force()
+    assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_lean)
     monkeypatch.setattr(epoch_order, "MAX_TAIL", max_tail)
     rng = np.random.default_rng(max_tail)
     for _ in range(400):
@@ -44,9 +41,7 @@ def test_the_vectorized_sampling_draws_what_streamings_loop_draws(monkeypatch, m
 
 
 def test_the_lean_py1e_shuffle_is_streamings_and_is_the_one_in_force():
-    from tokstream.train.streaming_internals import lean_shuffle_in_force
-
-    assert lean_shuffle_in_force()
+    assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_lean)
     rng = np.random.default_rng(1)
     for _ in range(60):
         shards = rng.integers(1, 3000, rng.integers(1, 40)).astype(np.int64)

@@ -2,8 +2,8 @@
 
 At every epoch start and every resume the first rank of each node computes the epoch's sample order
 before any rank gets a batch: at OpenWebText's 8.8 M samples that took seconds (bench/scale.py).
-The replacements here return what streaming's functions return, and are installed in their place
-by streaming_internals.py:
+The replacements here return what streaming's functions return, and are put in their place when
+this module is imported (through streaming_internals.py, as every use of streaming's internals):
 
 - `get_sampling_vectorized` for streaming's `get_sampling`: how many samples an epoch draws from
   each shard when it draws a fraction of a stream (every epoch cut to whole steps does);
@@ -18,8 +18,9 @@ Each is tested equal to the original on random inputs (tests/test_fast_reader.py
 import warnings
 
 import numpy as np
-from streaming.base.sampling import get_sampling as stock_get_sampling
-from streaming.base.shuffle.py1s import divide_spans
+
+from tokstream.train import streaming_internals as internals
+from tokstream.train.streaming_internals import divide_spans, stock_get_sampling
 
 # Below this many left-out picks, drawing them one by one in Python beats a whole permutation.
 MAX_TAIL = 100_000
@@ -149,3 +150,6 @@ def get_shuffle_py1e_lean(shard_sizes: np.ndarray, num_canonical_nodes: int, see
                       "these shards not being shuffled with other shards. Set shuffle_block_size to a larger "
                       "value for a higher quality shuffle.")
     return ids
+
+
+internals.install_epoch_order(get_sampling_vectorized, get_shuffle_py1e_lean)

@@ -8,13 +8,14 @@ promise to keep:
 - `StreamingDataset._shard_access_times`: the clock streaming's cache eviction reads;
 - `StreamingDataset._prepare_thread` / `_ready_thread` and the iterator fields they move
   (`prepare_index`, `ready_index`, `yield_index`, `total`, `sample_ids`): download-ahead;
+- `StreamingDataset._each_sample_id`, the yield loop `__iter__` maps `__getitem__` over: it hands
+  over a batch's ids at once here;
 - `StreamingDataset._event`: set when the dataset is shutting down;
 - `streaming.base.shared.prefix._unpack_locals` / `_pack_locals` and `_shm_prefix_int`: which
   cache directories a shared-memory prefix belongs to;
-- `streaming.base.dataset.get_sampling`, the name `resample_streams` calls: replaced by
-  `get_sampling_vectorized`, the same result without a Python loop per sample (epoch_order.py);
-- `streaming.base.shuffle.algos["py1e"]`: replaced by `get_shuffle_py1e_lean`, the same ids in
-  less memory (epoch_order.py).
+- `streaming.base.dataset.get_sampling`, the name `resample_streams` calls, and
+  `streaming.base.shuffle.algos["py1e"]`: replaced (`install_epoch_order`) by epoch_order.py's
+  equal versions, which build on streaming's own `get_sampling` and `divide_spans`.
 
 To move to a new streaming version: read those names in its source, run the fast-reader and
 training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
@@ -32,10 +33,13 @@ import streaming.base.shuffle as streaming_shuffle_module
 from streaming import StreamingDataset
 from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN, TICK
 from streaming.base.dataset import _ShardState
+from streaming.base.sampling import get_sampling as stock_get_sampling  # noqa: F401  (epoch_order.py)
 from streaming.base.shared.prefix import _pack_locals, _unpack_locals
+from streaming.base.shuffle import get_shuffle  # noqa: F401  (tests)
+from streaming.base.shuffle.py1e import get_shuffle_py1e as stock_get_shuffle_py1e  # noqa: F401  (tests)
+from streaming.base.shuffle.py1s import divide_spans  # noqa: F401  (epoch_order.py)
 
 from tokstream.errors import UserError
-from tokstream.train.epoch_order import get_sampling_vectorized, get_shuffle_py1e_lean
 
 CHECKED_VERSIONS = ("0.13.0",)
 if streaming.__version__ not in CHECKED_VERSIONS:
@@ -52,18 +56,14 @@ LOCALS_BLOCK = LOCALS
 LOCK_FILE_SUFFIXES = (BARRIER_FILELOCK, CACHE_FILELOCK)
 
 
-streaming_dataset_module.get_sampling = get_sampling_vectorized
-streaming_shuffle_module.algos["py1e"] = get_shuffle_py1e_lean  # streaming's registry of shuffle algorithms
+def install_epoch_order(get_sampling, get_shuffle_py1e) -> None:
+    """Put epoch_order.py's equal replacements where streaming calls its own (epoch_order does, on import)."""
+    streaming_dataset_module.get_sampling = get_sampling  # the name resample_streams calls
+    streaming_shuffle_module.algos["py1e"] = get_shuffle_py1e  # streaming's registry of shuffle algorithms
 
 
-def lean_shuffle_in_force() -> bool:
-    """Whether streaming's py1e shuffle is get_shuffle_py1e_lean."""
-    return streaming_shuffle_module.algos["py1e"] is get_shuffle_py1e_lean
-
-
-def vectorized_sampling_in_force() -> bool:
-    """Whether StreamingDataset.resample_streams calls get_sampling_vectorized."""
-    return streaming_dataset_module.get_sampling is get_sampling_vectorized
+def epoch_order_in_force(get_sampling, get_shuffle_py1e) -> bool:
+    return streaming_dataset_module.get_sampling is get_sampling and streaming_shuffle_module.algos["py1e"] is get_shuffle_py1e
 
 
 def shard_is_local(dataset: StreamingDataset, shard_id: int) -> bool:
