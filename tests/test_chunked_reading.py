@@ -58,7 +58,7 @@ def test_every_chunk_end_resumes_at_the_next_document(tmp_path, monkeypatch, kin
         per_chunk = [chunk.documents(stats) for chunk in chunks]
         assert [d for docs in per_chunk for d in docs] == expected
         assert stats == whole.stats
-        for number in sorted(set(range(0, len(chunks), max(1, len(chunks) // 25))) | {len(chunks) - 1}):
+        for number in sorted(set(range(0, len(chunks), max(1, len(chunks) // 12))) | {len(chunks) - 1}):
             chunk = chunks[number]
             resumed = open_source([str(f) for f in files], txt_docs=txt_docs)
             resumed.resume_at(json.loads(json.dumps(chunk.end)))  # as saved in the state

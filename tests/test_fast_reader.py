@@ -76,7 +76,7 @@ def test_same_samples_same_order_as_stock(dataset, tmp_path, seed, workers):
     np.testing.assert_array_equal(np.concatenate(got), np.concatenate(expected))
 
 
-@pytest.mark.parametrize("workers, transfer_samples", [(1, 256), (2, 8), (2, 256), (3, 24), (8, 40)])
+@pytest.mark.parametrize("workers, transfer_samples", [(1, 256), (2, 8), (3, 24), (8, 40)])  # 2 at 256: the resume test
 def test_workers_sending_several_batches_at_once_keep_stocks_order(dataset, tmp_path, monkeypatch, workers,
                                                                     transfer_samples):
     """Workers hand over several micro-batches per transfer (token_loader.py); the rank must still yield
