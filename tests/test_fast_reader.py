@@ -125,6 +125,26 @@ def test_transfers_follow_the_dataloaders_round_order_when_workers_run_out_round
     assert got == expected and len(expected) == 35 + 1 + 16
 
 
+@pytest.mark.parametrize("workers, epoch", [(0, 5), (0, 21), (3, 21), (3, 45)])
+def test_an_epoch_smaller_than_a_batch_or_a_round_of_workers_gives_stocks_batches(dataset, tmp_path, workers, epoch):
+    """Epochs of fewer samples than a batch, or than one batch per worker: some workers get no whole
+    micro-batch, or only a partial one to drop. Two epochs, against stock."""
+    from streaming import Stream, StreamingDataLoader, StreamingDataset
+
+    stream = Stream(local=str(fresh_copy(dataset, tmp_path, "stock")), split="train", choose=epoch)
+    stock = StreamingDataLoader(StreamingDataset(streams=[stream], shuffle=True, shuffle_seed=2, num_canonical_nodes=1,
+                                                 batch_size=BATCH), batch_size=BATCH, num_workers=workers, drop_last=True)
+    expected = [batch["tokens"].numpy().copy() for _ in range(2) for batch in stock]
+    config = DataConfig(remote=str(fresh_copy(dataset, tmp_path, "ours")), shuffle_seed=2, num_workers=workers)
+    loader = make_loader(config, "train", BATCH, shuffle=True, pin_memory=False, choose=[epoch])
+    got = [batch["tokens"].numpy().copy() for _ in range(2) for batch in loader]
+    del stock, loader
+    gc.collect()
+    assert len(got) == len(expected) == 2 * (epoch // BATCH)  # the partial batch dropped, none lost
+    if got:
+        np.testing.assert_array_equal(np.stack(got), np.stack(expected))
+
+
 @pytest.mark.parametrize("workers, resume_workers, resume_after", [(2, 2, 45), (3, 1, 7), (1, 3, 200)])
 def test_a_checkpoint_between_transfers_resumes_like_stock(dataset, tmp_path, workers, resume_after, resume_workers):
     """The state after any micro-batch is stock's after the same micro-batches, whatever the workers had

@@ -134,9 +134,9 @@ class WindowedDownloadAhead(StreamingDataset):
         """Whether a thread that has reached `index` should sleep a tick.
 
         Stock moves again as soon as the consumer takes one sample, so at tens of thousands of
-        samples a second its threads never sleep and keep taking the GIL from the consumer: reading
-        from local disk ran 2.5-4x slower than with the threads idle (bench/loader.py). Here a thread
-        moves once the consumer has taken a quarter of the predownload window since.
+        samples a second its threads never sleep and keep taking the GIL from the consumer, which
+        then reads far slower than with the threads idle. Here a thread moves once the consumer has
+        taken a quarter of the predownload window since.
         """
         if self.predownload is None:
             return False

@@ -109,13 +109,12 @@ class TokenDataset(internals.WindowedDownloadAhead):
         shaped as whole micro-batches, with the worker's id (they cross to the rank in one pickle).
         """
         ids = np.array(sample_ids, dtype=np.int64)
-        dtype, length = self.sample_format()
         worker = get_worker_info()
         if worker is not None:
-            tokens = np.empty((len(ids), length), dtype)
-            np.stack(self._rows(ids), out=tokens)
-            return {"worker": worker.id, "tokens": tokens.reshape(-1, self.batch_size, length),
+            tokens = np.stack(self._rows(ids))
+            return {"worker": worker.id, "tokens": tokens.reshape(-1, self.batch_size, tokens.shape[1]),
                     "ids": ids.reshape(-1, self.batch_size)}
+        dtype, length = self.sample_format()
         tokens = torch.empty((len(ids), length), dtype=_TORCH_DTYPE[dtype], pin_memory=self.pin_batches)
         np.stack(self._rows(ids), out=tokens.numpy())
         return {"tokens": tokens, "ids": torch.from_numpy(ids)}
