@@ -15,8 +15,11 @@ Cutting the epoch makes streaming draw a fraction of the stream, which its `get_
 in a Python loop per sample; the fence replaces it with an equal vectorized one
 (tokstream/train/streaming_internals.py). Both are timed here on this dataset's shards, same run.
 
-Each rank reports: seconds from its start to the end of its imports, from there to the first batch,
-and its peak RSS, after imports and after the first batch (the dataset's share is the difference).
+Each rank reports: seconds from its start to the end of its imports; seconds from the moment every
+rank has imported (the parent then tells them all to go: on 2 cores, 8 ranks' imports end seconds
+apart, and streaming's start-up waits for all of them) to its first batch, which covers building the
+loader, the epoch's order and the first read; and its peak RSS, after imports and after the first
+batch (the dataset's share is the difference).
 The node's shared memory is what /dev/shm holds for the job while every rank has its first batch.
 """
 
@@ -44,8 +47,10 @@ import json, os, resource, sys, time
 started = time.monotonic()
 from tokstream.train.config import DataConfig
 from tokstream.train.data import make_loader
-imported = time.monotonic()
-rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"imports_s": time.monotonic() - started,
+                  "rss_imports_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
+sys.stdin.readline()  # every rank has imported: the reader's own time starts now, on all of them
+go = time.monotonic()
 root, samples, position = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 loader = make_loader(DataConfig(remote=root), "train", int(sys.argv[4]), shuffle=True, pin_memory=False,
                      choose=[samples])
@@ -53,10 +58,8 @@ if position:
     loader.load_state_dict({"epoch": 0, "sample_in_epoch": int(samples * position), "num_canonical_nodes": 1,
                             "shuffle_seed": 9176, "initial_physical_nodes": 1})
 next(iter(loader))
-first = time.monotonic()
-print(json.dumps({"imports_s": imported - started, "first_batch_s": first - imported, "rss_imports_mb":
-                  rss_imports / 1024, "rss_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}),
-      flush=True)
+print(json.dumps({"first_batch_s": time.monotonic() - go,
+                  "rss_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
 sys.stdin.readline()  # hold the shared memory until the parent has measured it
 """
 
@@ -93,7 +96,12 @@ def run_ranks(root: Path, samples: int, ranks: int, position: float) -> tuple[li
         processes.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(root), str(samples),
                                            str(position), str(MICRO_BATCH)], env=env, stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True))
-    reports = [json.loads(process.stdout.readline()) for process in processes]
+    reports = [json.loads(process.stdout.readline()) for process in processes]  # imported
+    for process in processes:
+        process.stdin.write("go\n")
+        process.stdin.flush()
+    for process, report in zip(processes, reports):
+        report.update(json.loads(process.stdout.readline()))  # first batch
     added = sum(size for name, size in shm_bytes().items() if name not in before)
     for process in processes:
         process.communicate("done\n", timeout=120)

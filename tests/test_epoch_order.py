@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from tokstream.train import epoch_order
-from tokstream.train.epoch_order import get_sampling_vectorized, get_shuffle_py1e_lean, permutation_tail
-from tokstream.train.streaming_internals import epoch_order_in_force, get_shuffle, stock_get_sampling
+from tokstream.train.epoch_order import generate_work_random, get_sampling_vectorized, get_shuffle_py1e_fast
+from tokstream.train.epoch_order import permutation_tail
+from tokstream.train.streaming_internals import epoch_order_in_force, generate_work, generate_work_random_batching
+from tokstream.train.streaming_internals import get_shuffle, stock_get_sampling
 from tokstream.train.streaming_internals import stock_get_shuffle_py1e as get_shuffle_py1e
 
 
@@ -28,7 +30,7 @@ def test_the_tail_of_numpys_permutation_drawn_alone_is_numpys():
 def test_the_vectorized_sampling_draws_what_streamings_loop_draws(monkeypatch, max_tail):
     """How many samples an epoch draws from each shard when it takes a fraction of a stream (every epoch cut
     to whole steps does), in force in every dataset (streaming_internals.py), against streaming's own."""
-    assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_lean)
+    assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_fast, generate_work_random)
     monkeypatch.setattr(epoch_order, "MAX_TAIL", max_tail)
     rng = np.random.default_rng(max_tail)
     for _ in range(400):
@@ -40,20 +42,110 @@ def test_the_vectorized_sampling_draws_what_streamings_loop_draws(monkeypatch, m
         get_sampling_vectorized(shards, -1, 1, 0, 0, True)
 
 
-def test_the_lean_py1e_shuffle_is_streamings_and_is_the_one_in_force():
-    assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_lean)
-    rng = np.random.default_rng(1)
+def random_shuffle_args(rng):
+    shards = rng.integers(1, 3000, rng.integers(1, 40)).astype(np.int64)
+    return (shards, int(rng.integers(1, min(9, shards.sum()) + 1)), int(rng.integers(0, 2**31)),
+            int(rng.integers(0, 5)), int(rng.choice([1000, 5000, 1 << 18])))
+
+
+def shuffled_with_warnings(shuffle, args) -> tuple[np.ndarray, int]:
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        return shuffle(*args), len(warned)
+
+
+@pytest.mark.parametrize("fraction_bits", [epoch_order.MAX_FRACTION_BITS, 2, 0])  # 2, 0: equal keys in most runs
+def test_the_fast_py1e_shuffle_is_streamings_and_is_the_one_in_force(monkeypatch, fraction_bits):
+    assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_fast, generate_work_random)
+    monkeypatch.setattr(epoch_order, "MAX_FRACTION_BITS", fraction_bits)
+    monkeypatch.setattr(epoch_order, "MIN_FRACTION_BITS", min(fraction_bits, epoch_order.MIN_FRACTION_BITS))
+    rng = np.random.default_rng(fraction_bits)
     for _ in range(60):
-        shards = rng.integers(1, 3000, rng.integers(1, 40)).astype(np.int64)
-        args = (shards, int(rng.integers(1, min(9, shards.sum()) + 1)), int(rng.integers(0, 2**31)),
-                int(rng.integers(0, 5)), int(rng.choice([1000, 5000, 1 << 18])))
-        with warnings.catch_warnings(record=True) as stock_warned:
-            warnings.simplefilter("always")
-            expected = get_shuffle_py1e(*args)
-        with warnings.catch_warnings(record=True) as lean_warned:
-            warnings.simplefilter("always")
-            got = get_shuffle("py1e", *args)
+        args = random_shuffle_args(rng)
+        expected, stock_warnings = shuffled_with_warnings(get_shuffle_py1e, args)
+        got, fast_warnings = shuffled_with_warnings(lambda *a: get_shuffle("py1e", *a), args)
         np.testing.assert_array_equal(got, expected, err_msg=str(args))
-        assert got.dtype == expected.dtype and len(lean_warned) == len(stock_warned)
+        assert got.dtype == expected.dtype and fast_warnings == stock_warnings
     with pytest.raises(ValueError, match="canonical node is 0"):
-        get_shuffle_py1e_lean(np.array([1], dtype=np.int64), 2, 0, 0)
+        get_shuffle_py1e_fast(np.array([1], dtype=np.int64), 2, 0, 0)
+
+
+def test_samples_at_exactly_equal_positions_take_the_order_of_stocks_own_argsort(monkeypatch):
+    """Two equal float positions: stock's unstable argsort decides their order, so the fast shuffle
+    recognises them and hands the epoch to that argsort; unequal ones in a run of equal keys it orders."""
+    id_bits, positions = 3, np.array([0.5, 2.25, 2.0, 2.75, 7.0, 2.25])  # by sample id
+    keys = np.sort([(int(p) << id_bits) | i for i, p in enumerate(positions)])  # whole positions only
+    assert not epoch_order.order_equal_keys(keys.copy(), positions, id_bits)  # ids 1 and 5 are at 2.25
+    positions[5] = 2.5
+    assert epoch_order.order_equal_keys(keys, positions, id_bits)
+    assert (keys & 7).tolist() == [0, 2, 1, 5, 3, 4]
+
+    monkeypatch.setattr(epoch_order, "order_equal_keys", lambda *_: False)  # as if every epoch had such a pair
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        args = random_shuffle_args(rng)
+        expected, stock_warnings = shuffled_with_warnings(get_shuffle_py1e, args)
+        got, fast_warnings = shuffled_with_warnings(get_shuffle_py1e_fast, args)
+        np.testing.assert_array_equal(got, expected, err_msg=str(args))
+        assert fast_warnings == stock_warnings
+
+
+@pytest.fixture(scope="module")
+def mds_streams(tmp_path_factory) -> list[str]:
+    """Three small datasets of uneven shards: all an epoch's order sees of a dataset is its shard sizes."""
+    from streaming import MDSWriter
+
+    roots = []
+    for index, count in enumerate((230, 97, 411)):
+        root = tmp_path_factory.mktemp(f"stream{index}")
+        with MDSWriter(out=str(root), columns={"x": "int"}, size_limit=200 + 150 * index) as out:
+            for value in range(count):
+                out.write({"x": value})
+        roots.append(str(root))
+    return roots
+
+
+def test_the_lean_random_batching_is_streamings_and_is_the_one_in_force(mds_streams):
+    """The whole epoch's order as the local leader computes it (nodes, ranks, workers, batches), for mixtures
+    weighted each way, every shuffle algorithm and none, resumed anywhere, on several nodes."""
+    from streaming import Stream, StreamingDataset
+
+    from tokstream.train.streaming_internals import World
+
+    assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_fast, generate_work_random)
+    mixtures = [dict(local=mds_streams[2]),
+                dict(streams=[Stream(local=root, proportion=p) for root, p in zip(mds_streams, (0.5, 0.2, 0.3))],
+                     epoch_size=901),
+                dict(streams=[Stream(local=mds_streams[0], repeat=2.5), Stream(local=mds_streams[1], repeat=0.4)]),
+                dict(streams=[Stream(local=mds_streams[1], choose=50), Stream(local=mds_streams[2], choose=411)])]
+    rng = np.random.default_rng(11)
+    for mixture in mixtures:
+        dataset = StreamingDataset(batch_size=4, **mixture)
+        for _ in range(40):
+            nodes = int(rng.choice([1, 1, 2, 4]))
+            dataset.num_canonical_nodes = nodes * int(rng.choice([1, 2, 8])) if rng.integers(2) else max(1, nodes // 2)
+            dataset.initial_physical_nodes = None if rng.integers(2) else int(rng.choice([1, 2, 4]))
+            dataset.shuffle = bool(rng.integers(4))
+            dataset.shuffle_algo = str(rng.choice(["py1e", "py1e", "py1s", "py1br", "py2s", "naive"]))
+            dataset.shuffle_seed, dataset.shuffle_block_size = int(rng.integers(0, 10**6)), int(rng.choice([7, 60, 1 << 18]))
+            dataset.batch_size = int(rng.integers(1, 9))
+            world = World(nodes, int(rng.integers(1, 5)), int(rng.integers(1, 4)), 0)
+            epoch, sample_in_epoch = int(rng.integers(0, 3)), int(rng.integers(0, dataset.epoch_size + 5))
+            args = (dataset, world, epoch, sample_in_epoch)
+            expected = outcome(generate_work_random_batching, args)
+            got = outcome(lambda *a: generate_work(dataset.batching_method, *a), args)
+            if isinstance(expected, str):  # resumed past the end, canonical nodes that do not divide
+                assert got == expected
+                continue
+            np.testing.assert_array_equal(got, expected, err_msg=str(mixture) + str(vars(world)))
+            assert got.dtype == expected.dtype
+        del dataset
+
+
+def outcome(work, args) -> np.ndarray | str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # stock's about sizes; the shuffle's are compared above
+        try:
+            return work(*args)
+        except ValueError as refused:
+            return repr(refused)

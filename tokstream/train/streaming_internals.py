@@ -13,9 +13,11 @@ promise to keep:
 - `StreamingDataset._event`: set when the dataset is shutting down;
 - `streaming.base.shared.prefix._unpack_locals` / `_pack_locals` and `_shm_prefix_int`: which
   cache directories a shared-memory prefix belongs to;
-- `streaming.base.dataset.get_sampling`, the name `resample_streams` calls, and
-  `streaming.base.shuffle.algos["py1e"]`: replaced (`install_epoch_order`) by epoch_order.py's
-  equal versions, which build on streaming's own `get_sampling` and `divide_spans`.
+- `streaming.base.dataset.get_sampling`, the name `resample_streams` calls,
+  `streaming.base.shuffle.algos["py1e"]` and `streaming.base.batching.batching_methods["random"]`:
+  replaced (`install_epoch_order`) by epoch_order.py's equal versions, which build on streaming's
+  own `get_sampling`, `divide_spans`, `get_shuffle` and `get_partitions`;
+- `StreamingDataset._share_work`: writes the epoch's order into shared memory without a copy.
 
 To move to a new streaming version: read those names in its source, run the fast-reader and
 training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
@@ -28,16 +30,21 @@ from collections.abc import Iterator
 
 import numpy as np
 import streaming
+import streaming.base.batching as streaming_batching_module
+from streaming.base.batching import generate_work  # noqa: F401  (tests)
 import streaming.base.dataset as streaming_dataset_module
 import streaming.base.shuffle as streaming_shuffle_module
 from streaming import StreamingDataset
 from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN, TICK
+from streaming.base.batching.random import generate_work_random_batching  # noqa: F401  (tests)
 from streaming.base.dataset import _ShardState
+from streaming.base.partition import get_partitions  # noqa: F401  (epoch_order.py)
 from streaming.base.sampling import get_sampling as stock_get_sampling  # noqa: F401  (epoch_order.py)
 from streaming.base.shared.prefix import _pack_locals, _unpack_locals
 from streaming.base.shuffle import get_shuffle  # noqa: F401  (tests)
 from streaming.base.shuffle.py1e import get_shuffle_py1e as stock_get_shuffle_py1e  # noqa: F401  (tests)
 from streaming.base.shuffle.py1s import divide_spans  # noqa: F401  (epoch_order.py)
+from streaming.base.world import World  # noqa: F401  (tests)
 
 from tokstream.errors import UserError
 
@@ -56,14 +63,17 @@ LOCALS_BLOCK = LOCALS
 LOCK_FILE_SUFFIXES = (BARRIER_FILELOCK, CACHE_FILELOCK)
 
 
-def install_epoch_order(get_sampling, get_shuffle_py1e) -> None:
+def install_epoch_order(get_sampling, get_shuffle_py1e, generate_work_random) -> None:
     """Put epoch_order.py's equal replacements where streaming calls its own (epoch_order does, on import)."""
     streaming_dataset_module.get_sampling = get_sampling  # the name resample_streams calls
     streaming_shuffle_module.algos["py1e"] = get_shuffle_py1e  # streaming's registry of shuffle algorithms
+    streaming_batching_module.batching_methods["random"] = generate_work_random  # and of batching methods
 
 
-def epoch_order_in_force(get_sampling, get_shuffle_py1e) -> bool:
-    return streaming_dataset_module.get_sampling is get_sampling and streaming_shuffle_module.algos["py1e"] is get_shuffle_py1e
+def epoch_order_in_force(get_sampling, get_shuffle_py1e, generate_work_random) -> bool:
+    return (streaming_dataset_module.get_sampling is get_sampling
+            and streaming_shuffle_module.algos["py1e"] is get_shuffle_py1e
+            and streaming_batching_module.batching_methods["random"] is generate_work_random)
 
 
 def shard_is_local(dataset: StreamingDataset, shard_id: int) -> bool:
