@@ -47,7 +47,10 @@ import json, os, resource, sys, time
 started = time.monotonic()
 from tokstream.train.config import DataConfig
 from tokstream.train.data import make_loader
-print(json.dumps({"imports_s": time.monotonic() - started,
+if int(os.environ["WORLD_SIZE"]) > 1:  # as training does (distributed.py), before it builds its loader
+    import torch.distributed
+    torch.distributed.init_process_group("gloo")
+print(json.dumps({"start_s": time.monotonic() - started,
                   "rss_imports_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
 sys.stdin.readline()  # every rank has imported: the reader's own time starts now, on all of them
 go = time.monotonic()
@@ -147,7 +150,7 @@ def main() -> None:
             subprocess.run([sys.executable, str(ROOT / "convert/verify.py"), str(root)], check=True,
                            stdout=subprocess.DEVNULL)
             print(f"bin_to_mds.py {convert_s:.1f} s, verify.py {time.perf_counter() - started:.1f} s", flush=True)
-        print(f"\n{'ranks':>5} {'start':>6} {'imports_s':>9} {'first_batch_s':>13} {'rss_imports_mb':>14} "
+        print(f"\n{'ranks':>5} {'start':>6} {'start_s':>7} {'first_batch_s':>13} {'rss_imports_mb':>14} "
               f"{'rss_peak_mb':>11} {'dataset_mb':>10} {'shm_node_kb':>11}")
         for ranks in args.ranks:
             for position in (0.0, 0.1, 0.5, 0.9):
@@ -155,7 +158,7 @@ def main() -> None:
                 worst = max(reports, key=lambda r: r["first_batch_s"])
                 fattest = max(reports, key=lambda r: r["rss_peak_mb"] - r["rss_imports_mb"])
                 where = "fresh" if not position else f"{position:.0%}"
-                print(f"{ranks:>5} {where:>6} {max(r['imports_s'] for r in reports):9.2f} "
+                print(f"{ranks:>5} {where:>6} {max(r['start_s'] for r in reports):7.2f} "
                       f"{worst['first_batch_s']:13.2f} {fattest['rss_imports_mb']:14.0f} {fattest['rss_peak_mb']:11.0f} "
                       f"{fattest['rss_peak_mb'] - fattest['rss_imports_mb']:10.0f} {shm / 1024:11.1f}", flush=True)
         # Last: the parent's memory would otherwise be the ranks' starting peak RSS (inherited at fork).

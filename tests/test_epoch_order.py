@@ -129,6 +129,7 @@ def test_the_lean_random_batching_is_streamings_and_is_the_one_in_force(mds_stre
             dataset.shuffle_algo = str(rng.choice(["py1e", "py1e", "py1s", "py1br", "py2s", "naive"]))
             dataset.shuffle_seed, dataset.shuffle_block_size = int(rng.integers(0, 10**6)), int(rng.choice([7, 60, 1 << 18]))
             dataset.batch_size = int(rng.integers(1, 9))
+            dataset.sampling_method = str(rng.choice(["balanced", "fixed"]))
             world = World(nodes, int(rng.integers(1, 5)), int(rng.integers(1, 4)), 0)
             epoch, sample_in_epoch = int(rng.integers(0, 3)), int(rng.integers(0, dataset.epoch_size + 5))
             args = (dataset, world, epoch, sample_in_epoch)
@@ -139,6 +140,12 @@ def test_the_lean_random_batching_is_streamings_and_is_the_one_in_force(mds_stre
                 continue
             np.testing.assert_array_equal(got, expected, err_msg=str(mixture) + str(vars(world)))
             assert got.dtype == expected.dtype
+        for epoch, method in [(0, "balanced"), (1, "balanced"), (2, "fixed")]:
+            dataset.sampling_method = method
+            units, shards = epoch_order.resampled_shards(dataset, epoch)
+            stock_units, stock_ids = dataset.resample_streams(epoch)
+            np.testing.assert_array_equal(units, stock_units)
+            np.testing.assert_array_equal(epoch_order.resampled_sample_ids(dataset, epoch, shards), stock_ids)
         del dataset
 
 
@@ -149,3 +156,30 @@ def outcome(work, args) -> np.ndarray | str:
             return work(*args)
         except ValueError as refused:
             return repr(refused)
+
+
+def test_the_lean_spanner_is_streamings_and_is_the_one_datasets_build(mds_streams):
+    from streaming import StreamingDataset
+
+    from tokstream.train.lean_spanner import LeanSpanner
+    from tokstream.train.streaming_internals import Spanner
+
+    rng = np.random.default_rng(5)
+    for _ in range(100):
+        sizes = rng.integers(0, int(rng.choice([3, 40, 3000])), rng.integers(1, 30)).astype(np.int64)
+        if not sizes.sum():
+            sizes[-1] = 1
+        span_size = int(rng.choice([3, 64, 1 << 10]))
+        stock, lean = Spanner(sizes.copy(), span_size), LeanSpanner(sizes.copy(), span_size)
+        assert (lean.num_samples, lean.span_size) == (stock.num_samples, stock.span_size)
+        np.testing.assert_array_equal(lean.shard_sizes, stock.shard_sizes)
+        np.testing.assert_array_equal(lean.shard_bounds, stock.shard_bounds)
+        assert len(lean.spans) == len(stock.spans)
+        for ours, theirs in zip(lean.spans, stock.spans):
+            np.testing.assert_array_equal(ours, theirs)
+            assert ours.dtype == theirs.dtype
+        samples = [*range(min(50, int(sizes.sum()))), *rng.integers(0, sizes.sum(), 50).tolist()]
+        assert [lean[i] for i in samples] == [stock[i] for i in samples]
+    dataset = StreamingDataset(local=mds_streams[1], batch_size=1)
+    assert type(dataset.spanner) is LeanSpanner
+    del dataset

@@ -19,6 +19,7 @@ Each is tested equal to the original on random inputs (tests/test_epoch_order.py
 """
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -169,30 +170,83 @@ def order_equal_keys(keys: np.ndarray, positions: np.ndarray, id_bits: int) -> b
 
 
 def generate_work_random(dataset, world, epoch: int, sample_in_epoch: int) -> np.ndarray:
-    """streaming's `generate_work_random_batching`, the same array, in half its peak memory.
+    """streaming's `generate_work_random_batching`, the same array, in half its peak memory and time.
 
-    Stock makes the partition of the epoch over nodes, ranks, workers and batches first, then the
-    shuffle and the resampling's mapping to underlying samples, and composes them by two `np.where`
-    copies, all alive at once: 424 MB at OpenWebText's 8.8 M samples. Here the mapping is composed
-    into the shuffle, then the shuffle into the partition, each in place, and each array is dropped
-    as soon as it has been used. Only the local leader of each node runs this (in `_get_work`).
+    Stock resamples the streams, makes the partition of the epoch over nodes, ranks, workers and
+    batches, shuffles, and composes the three by two `np.where` copies, all alive at once: 424 MB at
+    OpenWebText's 8.8 M samples. Here the resampling's draws run in a thread beside the shuffle's
+    (numpy lets go of the GIL in both), its mapping is composed into the shuffle and the shuffle into
+    the partition, in place, and each array is dropped once used. Only the local leader of each node
+    runs this (in `_get_work`).
     """
     if dataset.num_canonical_nodes is None:
         raise RuntimeError("`num_canonical_nodes` can never be None. Provide a positive integer.")
     if not isinstance(dataset.batch_size, int):
         raise TypeError(f"Batch size must be an integer. Got {type(dataset.batch_size)}.")
-    shuffle_units, order = dataset.resample_streams(epoch)  # order: resampled ("big") id -> sample id
-    if dataset.shuffle:
-        if not isinstance(dataset.shuffle_block_size, int):
-            raise TypeError(f"Dataset `shuffle_block_size` must be an integer. Got "
-                            f"{type(dataset.shuffle_block_size)} instead.")
-        shuffle = get_shuffle(dataset.shuffle_algo, shuffle_units, dataset.num_canonical_nodes,
-                              dataset.shuffle_seed, epoch, dataset.shuffle_block_size)
+    if dataset.shuffle and not isinstance(dataset.shuffle_block_size, int):
+        raise TypeError(f"Dataset `shuffle_block_size` must be an integer. Got {type(dataset.shuffle_block_size)} "
+                        "instead.")
+    if type(dataset).resample_streams is not internals.StreamingDataset.resample_streams:
+        units, order = dataset.resample_streams(epoch)  # a subclass's own resampling
+        shuffle = _shuffle(dataset, units, epoch)
+    else:
+        units, shards = resampled_shards(dataset, epoch)
+        with ThreadPoolExecutor(1) as pool:
+            mapping = pool.submit(resampled_sample_ids, dataset, epoch, shards)
+            shuffle = _shuffle(dataset, units, epoch)
+            order = mapping.result()  # resampled ("big") id -> sample id
+    if shuffle is not None:
         order = _look_up_in_place(shuffle, order)
     ids = get_partitions(dataset.partition_algo, dataset.epoch_size, dataset.num_canonical_nodes, world.num_nodes,
                          world.ranks_per_node, world.workers_per_rank, dataset.batch_size, sample_in_epoch,
                          dataset.initial_physical_nodes)
     return _look_up_in_place(ids, order)
+
+
+def _shuffle(dataset, units: np.ndarray, epoch: int) -> np.ndarray | None:
+    if not dataset.shuffle:
+        return None
+    return get_shuffle(dataset.shuffle_algo, units, dataset.num_canonical_nodes, dataset.shuffle_seed, epoch,
+                       dataset.shuffle_block_size)
+
+
+def resampled_shards(dataset, epoch: int) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """The first half of streaming's `resample_streams`: how many samples the epoch takes from each
+    shard, as the shuffle's units (each whole repeat of a shard, then the part), and per shard
+    (shard id, its samples, how many the epoch takes)."""
+    units, shards = [], []
+    for stream_id in range(dataset.num_streams):
+        shard_ids = dataset.shard_offset_per_stream[stream_id] + np.arange(dataset.shards_per_stream[stream_id])
+        sizes = dataset.samples_per_shard[shard_ids]
+        takes = get_sampling_vectorized(sizes, dataset.streams[stream_id].choose, dataset.sampling_granularity,
+                                        dataset.shuffle_seed, epoch, dataset.epoch_seed_change)
+        for shard_id, size, take in zip(shard_ids.tolist(), sizes.tolist(), takes.tolist()):
+            if size:
+                units += [size] * (take // size) + ([take % size] if take % size else [])
+            shards.append((shard_id, size, take))
+    return np.array(units, np.int64), shards
+
+
+def resampled_sample_ids(dataset, epoch: int, shards: list[tuple[int, int, int]]) -> np.ndarray:
+    """The second half of `resample_streams`: each resampled ("big") id's sample, from the same
+    generator by the same calls, written into one array rather than concatenated from pieces."""
+    seed = dataset.shuffle_seed + epoch if dataset.sampling_method == "balanced" else dataset.shuffle_seed
+    rng = np.random.default_rng(seed)
+    ids = np.empty(sum(take for _, _, take in shards), np.int64)
+    at = 0
+    for shard_id, size, take in shards:
+        if not size:
+            continue
+        offset = int(dataset.sample_offset_per_shard[shard_id])
+        for _ in range(take // size):
+            ids[at:at + size] = np.arange(offset, offset + size)
+            at += size
+        if part := take % size:
+            picked = rng.choice(size, part, False)
+            picked.sort()
+            ids[at:at + part] = offset + picked
+            at += part
+    return ids
 
 
 def _look_up_in_place(indices: np.ndarray, table: np.ndarray) -> np.ndarray:

@@ -17,7 +17,10 @@ promise to keep:
   `streaming.base.shuffle.algos["py1e"]` and `streaming.base.batching.batching_methods["random"]`:
   replaced (`install_epoch_order`) by epoch_order.py's equal versions, which build on streaming's
   own `get_sampling`, `divide_spans`, `get_shuffle` and `get_partitions`;
-- `StreamingDataset._share_work`: writes the epoch's order into shared memory without a copy.
+- `StreamingDataset._share_work`: the epoch's order goes into shared memory without a copy first;
+- `streaming.base.dataset.Spanner`, the class a dataset builds its sample-to-shard lookup from:
+  replaced (`install_spanner`) by lean_spanner.py's subclass, the same fields built without an
+  array of every sample.
 
 To move to a new streaming version: read those names in its source, run the fast-reader and
 training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
@@ -35,15 +38,17 @@ from streaming.base.batching import generate_work  # noqa: F401  (tests)
 import streaming.base.dataset as streaming_dataset_module
 import streaming.base.shuffle as streaming_shuffle_module
 from streaming import StreamingDataset
-from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, LOCALS, SHM_TO_CLEAN, TICK
+from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, EPOCH_DATA, EPOCH_SHAPE, LOCALS, SHM_TO_CLEAN, TICK
 from streaming.base.batching.random import generate_work_random_batching  # noqa: F401  (tests)
 from streaming.base.dataset import _ShardState
 from streaming.base.partition import get_partitions  # noqa: F401  (epoch_order.py)
 from streaming.base.sampling import get_sampling as stock_get_sampling  # noqa: F401  (epoch_order.py)
-from streaming.base.shared.prefix import _pack_locals, _unpack_locals
+from streaming.base.shared import SharedMemory
+from streaming.base.shared.prefix import _get_path, _pack_locals, _unpack_locals
 from streaming.base.shuffle import get_shuffle  # noqa: F401  (tests)
 from streaming.base.shuffle.py1e import get_shuffle_py1e as stock_get_shuffle_py1e  # noqa: F401  (tests)
 from streaming.base.shuffle.py1s import divide_spans  # noqa: F401  (epoch_order.py)
+from streaming.base.spanner import Spanner  # noqa: F401  (lean_spanner.py)
 from streaming.base.world import World  # noqa: F401  (tests)
 
 from tokstream.errors import UserError
@@ -68,6 +73,11 @@ def install_epoch_order(get_sampling, get_shuffle_py1e, generate_work_random) ->
     streaming_dataset_module.get_sampling = get_sampling  # the name resample_streams calls
     streaming_shuffle_module.algos["py1e"] = get_shuffle_py1e  # streaming's registry of shuffle algorithms
     streaming_batching_module.batching_methods["random"] = generate_work_random  # and of batching methods
+
+
+def install_spanner(spanner_class) -> None:
+    """Make datasets built from now on use lean_spanner.py's Spanner (it does, on import)."""
+    streaming_dataset_module.Spanner = spanner_class  # the name StreamingDataset.__init__ calls
 
 
 def epoch_order_in_force(get_sampling, get_shuffle_py1e, generate_work_random) -> bool:
@@ -139,6 +149,22 @@ class WindowedDownloadAhead(StreamingDataset):
     consumer, and the interpreter's exit waits for them, so a DataLoader worker whose rank had ended
     or died hung at exit forever. (Workers ignore SIGTERM, so the DataLoader could not end them.)
     """
+
+    def _share_work(self, sample_ids: np.ndarray) -> tuple[SharedMemory, SharedMemory | None]:
+        """Stock's, but the order is written into shared memory in place, not through a `tobytes()`
+        copy of it (the node's first rank, at every epoch start: 70 MB at 8.8 M samples)."""
+        if sample_ids.ndim != 5:
+            raise ValueError(f"Sample IDs must be of 5D shape (num physical nodes, ranks per node, workers per rank, "
+                             f"batches per worker, batch size). Instead, found as {sample_ids.ndim}D shape.")
+        shape_shm = SharedMemory(name=_get_path(self._shm_prefix_int, EPOCH_SHAPE), create=True, size=5 * 8,
+                                 auto_cleanup=False)
+        shape_shm.buf[:5 * 8] = np.array(sample_ids.shape, np.int64).tobytes()
+        if not sample_ids.size:  # the end of the epoch has been reached
+            return shape_shm, None
+        data_shm = SharedMemory(name=_get_path(self._shm_prefix_int, EPOCH_DATA), create=True,
+                                size=sample_ids.size * 8, auto_cleanup=False)
+        np.ndarray(sample_ids.shape, np.int64, buffer=data_shm.buf)[...] = sample_ids
+        return shape_shm, data_shm
 
     def _far_enough_ahead(self, index: int, it) -> bool:
         """Whether a thread that has reached `index` should sleep a tick.
