@@ -13,7 +13,7 @@ from tokstream.train import epoch_order
 from tokstream.train.epoch_order import generate_work_random, get_sampling_vectorized, get_shuffle_py1e_fast
 from tokstream.train.epoch_order import permutation_tail
 from tokstream.train.streaming_internals import epoch_order_in_force, generate_work, generate_work_random_batching
-from tokstream.train.streaming_internals import get_shuffle, stock_get_sampling
+from tokstream.train.streaming_internals import World, get_shuffle, stock_get_sampling
 from tokstream.train.streaming_internals import stock_get_shuffle_py1e as get_shuffle_py1e
 
 
@@ -54,13 +54,16 @@ def shuffled_with_warnings(shuffle, args) -> tuple[np.ndarray, int]:
         return shuffle(*args), len(warned)
 
 
-@pytest.mark.parametrize("fraction_bits", [epoch_order.MAX_FRACTION_BITS, 2, 0])  # 2, 0: equal keys in most runs
-def test_the_fast_py1e_shuffle_is_streamings_and_is_the_one_in_force(monkeypatch, fraction_bits):
+@pytest.mark.parametrize("fraction_bits, min_fraction_bits", [
+    (epoch_order.MAX_FRACTION_BITS, epoch_order.MIN_FRACTION_BITS),
+    (2, 0), (0, 0),  # equal keys in most runs
+    (3, 4)])  # too few bits: the argsort
+def test_the_fast_py1e_shuffle_is_streamings_and_is_the_one_in_force(monkeypatch, fraction_bits, min_fraction_bits):
     assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_fast, generate_work_random)
     monkeypatch.setattr(epoch_order, "MAX_FRACTION_BITS", fraction_bits)
-    monkeypatch.setattr(epoch_order, "MIN_FRACTION_BITS", min(fraction_bits, epoch_order.MIN_FRACTION_BITS))
+    monkeypatch.setattr(epoch_order, "MIN_FRACTION_BITS", min_fraction_bits)
     rng = np.random.default_rng(fraction_bits)
-    for _ in range(60):
+    for _ in range(60 if min_fraction_bits <= fraction_bits else 10):
         args = random_shuffle_args(rng)
         expected, stock_warnings = shuffled_with_warnings(get_shuffle_py1e, args)
         got, fast_warnings = shuffled_with_warnings(lambda *a: get_shuffle("py1e", *a), args)
@@ -110,8 +113,6 @@ def test_the_lean_random_batching_is_streamings_and_is_the_one_in_force(mds_stre
     weighted each way, every shuffle algorithm and none, resumed anywhere, on several nodes."""
     from streaming import Stream, StreamingDataset
 
-    from tokstream.train.streaming_internals import World
-
     assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_fast, generate_work_random)
     mixtures = [dict(local=mds_streams[2]),
                 dict(streams=[Stream(local=root, proportion=p) for root, p in zip(mds_streams, (0.5, 0.2, 0.3))],
@@ -147,6 +148,25 @@ def test_the_lean_random_batching_is_streamings_and_is_the_one_in_force(mds_stre
             np.testing.assert_array_equal(units, stock_units)
             np.testing.assert_array_equal(epoch_order.resampled_sample_ids(dataset, epoch, shards), stock_ids)
         del dataset
+
+
+def test_a_subclasss_own_resampling_is_the_one_the_epoch_order_uses(mds_streams):
+    """streaming's batching asks the dataset to resample (`resample_streams`); a subclass may do it its own way."""
+    from streaming import StreamingDataset
+
+    class EveryOtherSample(StreamingDataset):
+        def resample_streams(self, epoch, stream_id=None):
+            units, sample_ids = super().resample_streams(epoch, stream_id)
+            return units, sample_ids // 2 * 2
+
+    dataset = EveryOtherSample(local=mds_streams[2], batch_size=4, shuffle=True, num_canonical_nodes=2,
+                               shuffle_block_size=60)
+    for world in (World(1, 2, 2, 0), World(2, 1, 3, 0)):
+        args = (dataset, world, 1, 5)
+        expected = generate_work_random_batching(*args)
+        np.testing.assert_array_equal(generate_work(dataset.batching_method, *args), expected)
+        assert set(expected[expected >= 0].ravel() % 2) == {0}
+    del dataset
 
 
 def outcome(work, args) -> np.ndarray | str:
