@@ -2,6 +2,7 @@
 
     python bench/scale.py                                   # 9.04 B tokens, 1 and 8 ranks (17 GB of disk)
     python bench/scale.py --million-tokens 1000 --ranks 1 2 # smaller
+    python bench/scale.py --repeat 3                        # each start three times
 
 The dataset is OpenWebText's size (8.82 M samples of 1,025 tokens, 271 shards of 64 MB), converted
 by bin_to_mds.py from a sparse .bin, which costs disk but no time to generate (its tokens are all 0,
@@ -134,6 +135,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--workdir", default=None, help="where the dataset is built (default: beside the clone)")
     parser.add_argument("--dataset", default=None, help="reuse a dataset this benchmark built (skips build, verify)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each start, one row each (the spread)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(dir=args.workdir or ROOT.parent) as workdir:
@@ -153,7 +155,7 @@ def main() -> None:
         print(f"\n{'ranks':>5} {'start':>6} {'start_s':>7} {'first_batch_s':>13} {'rss_imports_mb':>14} "
               f"{'rss_peak_mb':>11} {'dataset_mb':>10} {'shm_node_kb':>11}")
         for ranks in args.ranks:
-            for position in (0.0, 0.1, 0.5, 0.9):
+            for position in [p for p in (0.0, 0.1, 0.5, 0.9) for _ in range(args.repeat)]:
                 reports, shm = run_ranks(root, epoch, ranks, position)
                 worst = max(reports, key=lambda r: r["first_batch_s"])
                 fattest = max(reports, key=lambda r: r["rss_peak_mb"] - r["rss_imports_mb"])
