@@ -12,8 +12,8 @@ this module is imported (through streaming_internals.py, as every use of streami
 - `get_shuffle_py1e_fast` for streaming's `py1e` shuffle (the default): the same random draws,
   sorted as packed integers, in 2 arrays of the epoch's size instead of 5;
 - `generate_work_random` for streaming's `random` batching (the default), which puts the three
-  together with the partition over nodes, ranks and workers: the same array, with at most three
-  epoch-sized arrays alive at once instead of six.
+  together with the partition over nodes, ranks and workers: the same array, composed in place,
+  each epoch-sized array dropped once used rather than all alive at once.
 
 Each is tested equal to the original on random inputs (tests/test_epoch_order.py).
 """
@@ -97,7 +97,7 @@ def permutation_tail(seed: int, n: int, count: int) -> np.ndarray:
 # lower it, to make equal keys common); below the minimum, too many keys would be equal to pay.
 MAX_FRACTION_BITS = 63
 MIN_FRACTION_BITS = 8
-# Keys compared at once when looking for equal fixed-point positions (bounds the temporaries).
+# Elements per step of the chunked passes over an epoch-sized array (bounds their temporaries).
 CHUNK = 1 << 20
 
 
@@ -173,10 +173,10 @@ def generate_work_random(dataset, world, epoch: int, sample_in_epoch: int) -> np
     """streaming's `generate_work_random_batching`, the same array, with fewer epoch-sized arrays alive.
 
     Stock resamples the streams, makes the partition of the epoch over nodes, ranks, workers and
-    batches, shuffles, and composes the three by two `np.where` copies, all alive at once. Here the resampling's draws run in a thread beside the shuffle's
-    (numpy lets go of the GIL in both), its mapping is composed into the shuffle and the shuffle into
-    the partition, in place, and each array is dropped once used. Only the local leader of each node
-    runs this (in `_get_work`).
+    batches, shuffles, and composes the three by two `np.where` copies, all alive at once. Here the
+    resampling's draws run in a thread beside the shuffle's (numpy lets go of the GIL in both), its
+    mapping is composed into the shuffle and the shuffle into the partition, in place, and each array
+    is dropped once used. Only the local leader of each node runs this (in `_get_work`).
     """
     if dataset.num_canonical_nodes is None:
         raise RuntimeError("`num_canonical_nodes` can never be None. Provide a positive integer.")
@@ -194,6 +194,7 @@ def generate_work_random(dataset, world, epoch: int, sample_in_epoch: int) -> np
             mapping = pool.submit(resampled_sample_ids, dataset, epoch, shards)
             shuffle = _shuffle(dataset, units, epoch)
             order = mapping.result()  # resampled ("big") id -> sample id
+            del mapping  # it would hold the mapping alive through the partition, after it is composed
     if shuffle is not None:
         order = _look_up_in_place(shuffle, order)
     ids = get_partitions(dataset.partition_algo, dataset.epoch_size, dataset.num_canonical_nodes, world.num_nodes,

@@ -45,7 +45,7 @@ from streaming.base.partition import get_partitions  # noqa: F401  (epoch_order.
 from streaming.base.sampling import get_sampling as stock_get_sampling  # noqa: F401  (epoch_order.py)
 from streaming.base.shared import SharedMemory
 from streaming.base.shared.prefix import _get_path, _pack_locals, _unpack_locals
-from streaming.base.shuffle import get_shuffle  # noqa: F401  (tests)
+from streaming.base.shuffle import get_shuffle  # noqa: F401  (epoch_order.py, tests)
 from streaming.base.shuffle.py1e import get_shuffle_py1e as stock_get_shuffle_py1e  # noqa: F401  (tests)
 from streaming.base.shuffle.py1s import divide_spans  # noqa: F401  (epoch_order.py)
 from streaming.base.spanner import Spanner  # noqa: F401  (lean_spanner.py)
