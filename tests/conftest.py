@@ -16,12 +16,27 @@ os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken_cache"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def pytest_collection_modifyitems(items):
+    """The long tests first: each test process starts its share in order and the idle one takes
+    pending tests from the other, so a long test started last would end the suite alone."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: otherwise in file order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def remove_the_lock_files_streaming_leaves():
     from tokstream.testing.lock_files import removing_new_lock_files
 
     with removing_new_lock_files():
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def remove_the_shared_memory_killed_runs_leave(tmp_path_factory):
+    """Set up after the lock files' fixture, so torn down before it: the removed prefixes' lock files go too."""
+    from tokstream.testing.shared_memory import remove_stale_blocks_under
+
+    yield
+    remove_stale_blocks_under(tmp_path_factory.getbasetemp())
 
 
 def wikitext_articles() -> list[str]:

@@ -21,7 +21,7 @@ def inputs(tmp_path):
     """Every local kind, with the awkward bytes: blank and whitespace-only lines, CRLF, a Unicode-only blank
     line, invalid UTF-8, a file without a final newline."""
     paragraphs = shakespeare_paragraphs()[:60]
-    articles = wikitext_articles()[:12]
+    articles = [article[:3000] for article in wikitext_articles()[:12]]  # each still many chunks long at every size
     jsonl = tmp_path / "a.jsonl"
     lines = [json.dumps({"text": t}) for t in [*articles[:3], " \t ", *articles[3:]]]  # one empty after cleaning
     jsonl.write_bytes(("\n".join(lines[:5]) + "\n\n   \n" + "\n".join(lines[5:])).encode()

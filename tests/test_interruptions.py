@@ -117,6 +117,7 @@ def relaunch_cleared(output: str, stale: dict[str, int], where: str) -> None:
         assert not (SHM_DIR / name).exists() or (SHM_DIR / name).stat().st_ino != inode, where
 
 
+@pytest.mark.long
 def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
     seed = int(os.environ.get("TOKSTREAM_INTERRUPTION_SEED", random.randrange(1_000_000)))
     print(f"interruption schedule: TOKSTREAM_INTERRUPTION_SEED={seed}")

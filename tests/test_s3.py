@@ -274,15 +274,18 @@ def launch_node(node: int, nodes: int, port: int, dataset: str, run_dir: str) ->
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not namespaces_permitted(), reason="namespaces are not permitted here (unshare --ipc --mount "
                     "failed): several nodes on one machine need root or user namespaces")
-def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_disks(reference, plays_on_s3, tmp_path):
+def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_disks(reference, plays_on_s3, s3, tmp_path):
     """2 nodes x 1 rank, dataset and run_dir in S3, each node's disk (/tmp and /dev/shm) gone whenever
     the job ends. A notice to node 1 alone: every rank checkpoints at the same step and both agents
     exit at once with a non-zero status a scheduler requeues on (node 0's used to wait out its exit
     barrier). Relaunched on new disks, node 1 is then lost for good (SIGKILL) right after the next
     periodic checkpoint and the job torn down; relaunched on one new node with 2 ranks, it finishes on the same
-    samples at every step. Every node reads through a cache under half the dataset: streaming evicts."""
+    samples at every step, having downloaded the checkpoint once for its 2 ranks (a first try, whose download
+    the store refuses, stops in one line). Every node reads through a cache under half the dataset:
+    streaming evicts."""
     run_dir = f"s3://{BUCKET}/runs/two-nodes"
     store = S3RunStore(run_dir, tmp_path / "reader")
 
@@ -310,11 +313,43 @@ def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_dis
         kill_tree(node.pid)
         node.communicate(timeout=60)
 
+    resumed_from = f"ckpt-{periodic:08d}.pt"
+    # The node's first rank cannot download it: the job stops with its one line (no rank waits for it forever).
+    s3.fail("GET", resumed_from, times=-1, status=403)
+    refused = training.launch(2, plays_on_s3, run_dir, f"data.local={tmp_path / 'denied' / 'cache'}",
+                              f"run_local={tmp_path / 'denied' / 'run'}", CACHE_LIMIT)
+    output = refused.communicate(timeout=120)[0]
+    s3.clear()
+    assert refused.returncode != 0
+    denied = f"error: cannot download {run_dir}/{resumed_from}: access denied (HTTP 403)"
+    assert output.count(denied) == 1, output[-3000:]  # errors are reported once, by rank 0
+    gets_before = s3.count("GET", resumed_from)
     output = training.train(2, plays_on_s3, run_dir, f"data.local={tmp_path / 'third' / 'cache'}",
                             f"run_local={tmp_path / 'third' / 'run'}", CACHE_LIMIT)
-    assert f"resumed from {run_dir}/ckpt-{periodic:08d}.pt at step {periodic}" in output
+    assert f"resumed from {run_dir}/{resumed_from} at step {periodic}" in output
+    gets_by_the_run = s3.count("GET", resumed_from) - gets_before
+    final = f"ckpt-{newest_checkpoint():08d}.pt"  # the one the run resumed from is gone (keep_checkpoints)
+    gets_before = s3.count("GET", final)
+    store.release_copy(store.local_copy(final))  # what one download of a checkpoint of this run takes
+    assert gets_by_the_run == s3.count("GET", final) - gets_before > 0
+    assert not any((tmp_path / "third" / "run").glob("download-*"))  # the node's copy went once read
     steps = training.metrics(run_dir)
     assert [m["step"] for m in steps] == list(range(1, len(reference) + 1))
     for got, (step, samples, loss, lr) in zip(steps, reference):
         assert sorted(sum(got["samples"], [])) == sorted(samples[0] + samples[1])
         assert got["loss"] == pytest.approx(loss, rel=1e-4)
+
+
+def test_a_nodes_checkpoint_copy_is_released_even_beside_a_killed_loads_leftover(proxy, tmp_path):
+    """A rank killed while loading leaves its node's copy behind; the next resume, maybe from a newer
+    checkpoint, downloads into the same node folder and must still release it, and the leftover."""
+    url = f"s3://{BUCKET}/runs/leftover"
+    store, components, checkpointer = s3_checkpointer(url, tmp_path / "node")
+    for step in (4, 8):
+        components["progress"].step = step
+        checkpointer.save(step)
+    killed = store.local_copy("ckpt-00000004.pt", "node0")  # what the killed load left
+    path = store.local_copy("ckpt-00000008.pt", "node0")
+    assert path.parent == killed.parent and path.read_bytes()[:2] == b"PK"  # torch.save's zip
+    store.release_copy(path)
+    assert not path.parent.exists()

@@ -73,6 +73,7 @@ def test_uninterrupted_run_partitions_every_global_batch(reference, dataset):
     assert reference[-1][2] < reference[0][2]  # it learns
 
 
+@pytest.mark.long
 def test_torchrun_max_restarts_recovers_a_crashed_rank_by_itself(reference, dataset, tmp_path):
     """Rank 1 dies abruptly after step 6 (TOKSTREAM_CRASH_AT, a test-only fault): torchrun
     --max-restarts=1 restarts both ranks, which resume from the step-4 checkpoint by themselves and

@@ -48,6 +48,7 @@ class FaultProxy:
         self.faults: list[Fault] = []
         self.spoiled = 0
         self.holding = threading.Event()  # set once a held request has arrived
+        self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in arrival order
         self.lock = threading.Lock()
         proxy = self
 
@@ -59,6 +60,8 @@ class FaultProxy:
 
             def _handle(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with proxy.lock:
+                    proxy.requests.append((self.command, self.path))
                 fault = proxy._take_fault(self.command, self.path)
                 if fault is not None and fault.hold_s:
                     proxy.holding.set()
@@ -119,6 +122,11 @@ class FaultProxy:
             self.faults.clear()
             self.spoiled = 0
             self.holding.clear()
+
+    def count(self, method: str, path_contains: str) -> int:
+        """How many `method` requests for a path containing `path_contains` have arrived so far."""
+        with self.lock:
+            return sum(1 for m, path in self.requests if m == method and path_contains in path)
 
     def _take_fault(self, method: str, path: str) -> Fault | None:
         with self.lock:

@@ -79,15 +79,15 @@ def write_checkpoint(store: RunStore, step: int, state: dict, keep: int, metrics
         store.remove(complete[:-keep])
 
 
-def load_latest_checkpoint(store: RunStore) -> tuple[str, dict] | tuple[None, None]:
+def load_latest_checkpoint(store: RunStore, dist: Distributed | None = None) -> tuple[str, dict] | tuple[None, None]:
     """The newest complete checkpoint that loads (its URL, its state); a damaged one falls back to
     the one before. Checkpoints that exist but none of which loads are refused: starting over from
-    step 0 would silently throw the run away."""
+    step 0 would silently throw the run away. With `dist`, every rank of the job calls this together."""
     complete, _ = checkpoints(store)
     failures = []
     for name in reversed(complete):
         url = f"{store.url}/{name}"
-        path = store.local_copy(name)
+        path = _fetch_once_per_node(store, name, dist)
         try:
             # Data only: a checkpoint in shared storage must not be able to run code on the nodes
             # that resume from it, and this trainer writes nothing but tensors and plain values.
@@ -100,11 +100,42 @@ def load_latest_checkpoint(store: RunStore) -> tuple[str, dict] | tuple[None, No
             print(f"warning: skipping unreadable checkpoint {url}: {type(err).__name__}: {err}")
             failures.append(name)
         finally:
-            store.release_copy(path)
+            _release_once_per_node(store, path, dist)
     if failures:
         raise UserError(f"none of the {len(failures)} checkpoints in {store.url} can be read (newest: {failures[0]}): "
                         "move them away to start the run over, or point run_dir at a copy that reads")
     return None, None
+
+
+def _shares_a_copy(store: RunStore, dist: Distributed | None) -> bool:
+    return dist is not None and dist.enabled and not isinstance(store, LocalRunStore)
+
+
+def _fetch_once_per_node(store: RunStore, name: str, dist: Distributed | None) -> Path:
+    """The checkpoint as a local file. From S3, the node's first rank downloads it and the others
+    read its copy: 8 ranks would otherwise each fetch the same gigabytes at every resume. A failed
+    download fails every rank with its message (they wait for it in one gather)."""
+    if not _shares_a_copy(store, dist):
+        return store.local_copy(name)
+    owner, error = f"node{dist.node}", None
+    if dist.local_rank == 0:
+        try:
+            store.local_copy(name, owner)
+        except UserError as err:
+            error = str(err)
+    errors = [e for e in dist.gather(error) if e]
+    if errors:
+        raise UserError(errors[0])
+    return store.copy_path(name, owner)
+
+
+def _release_once_per_node(store: RunStore, path: Path, dist: Distributed | None) -> None:
+    if not _shares_a_copy(store, dist):
+        store.release_copy(path)
+        return
+    dist.barrier()  # every rank of the node has read it
+    if dist.local_rank == 0:
+        store.release_copy(path)
 
 
 def remove_unfinished_saves(store: RunStore) -> list[str]:
@@ -118,9 +149,10 @@ def remove_unfinished_saves(store: RunStore) -> list[str]:
     return [p.name for p in staged] + unpublished
 
 
-def find_latest(store: RunStore) -> tuple[str, dict] | tuple[None, None]:
-    """The newest complete checkpoint of a run, as written (nothing is restored yet)."""
-    url, saved = load_latest_checkpoint(store)
+def find_latest(store: RunStore, dist: Distributed | None = None) -> tuple[str, dict] | tuple[None, None]:
+    """The newest complete checkpoint of a run, as written (nothing is restored yet); `dist`: as
+    load_latest_checkpoint."""
+    url, saved = load_latest_checkpoint(store, dist)
     if saved is not None and "progress" not in saved:
         raise UserError(f"{url} was written before checkpoints were assembled from components (tokstream "
                         "before the tokstream.train package): resume it with that release, or use a new run_dir")

@@ -15,6 +15,7 @@ class Distributed:
     local_rank: int
     device: torch.device
     enabled: bool  # launched by torchrun (a process group exists), even with one rank
+    node: int = 0  # which of the job's nodes (torchrun numbers ranks node after node)
 
     @property
     def master(self) -> bool:
@@ -37,7 +38,8 @@ class Distributed:
                 dist.init_process_group("nccl" if use_cuda else "gloo")
             else:
                 dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world)
-        return cls(rank, world, local_rank, device, enabled)
+        node = rank // int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return cls(rank, world, local_rank, device, enabled, node)
 
     def barrier(self) -> None:
         if self.enabled:

@@ -13,6 +13,7 @@ machine with an empty disk reads everything back from the store.
 
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -37,7 +38,10 @@ class LocalRunStore:
         path = self.root / name
         return path.read_bytes() if path.exists() else None
 
-    def local_copy(self, name: str) -> Path:
+    def local_copy(self, name: str, owner: str | None = None) -> Path:
+        return self.root / name
+
+    def copy_path(self, name: str, owner: str | None = None) -> Path:
         return self.root / name
 
     def release_copy(self, path: Path) -> None:
@@ -94,13 +98,17 @@ class S3RunStore:
         except Exception as err:
             raise self._fail(f"read {name} in", err) from None
 
-    def local_copy(self, name: str) -> Path:
-        # Ranks of a node download side by side, each to its own folder.
-        return self.store.download(name, self.local / f"download-{os.getpid()}" / name)
+    def local_copy(self, name: str, owner: str | None = None) -> Path:
+        """Download `name` into run_local, in a folder of its own per `owner` (default: this process)."""
+        return self.store.download(name, self.copy_path(name, owner))
+
+    def copy_path(self, name: str, owner: str | None = None) -> Path:
+        """Where local_copy(name, owner) puts the file."""
+        return self.local / f"download-{owner or os.getpid()}" / name
 
     def release_copy(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
-        path.parent.rmdir()
+        """Remove the copy's folder: it holds only its owner's downloads, and one a killed load left is spent."""
+        shutil.rmtree(path.parent)
 
     def publish(self, staged: Path, name: str) -> None:
         """Upload a finished local file as `name` (visible only once whole), then drop the local copy."""

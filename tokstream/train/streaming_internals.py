@@ -20,7 +20,10 @@ promise to keep:
 - `StreamingDataset._share_work`: the epoch's order goes into shared memory without a copy first;
 - `streaming.base.dataset.Spanner`, the class a dataset builds its sample-to-shard lookup from:
   replaced (`install_spanner`) by lean_spanner.py's subclass, the same fields built without an
-  array of every sample.
+  array of every sample;
+- `streaming.base.dataset.get_shm_prefix`, which numbers a dataset's shared-memory blocks:
+  replaced (`install_prefix_registration`) by prefix_registration.py's, which builds on stock's
+  scan (`_check_and_find_retrying`, `_check_self`) and block layout (`_get_path`, `_pack_locals`).
 
 To move to a new streaming version: read those names in its source, run the fast-reader and
 training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
@@ -44,7 +47,8 @@ from streaming.base.dataset import _ShardState
 from streaming.base.partition import get_partitions  # noqa: F401  (epoch_order.py)
 from streaming.base.sampling import get_sampling as stock_get_sampling  # noqa: F401  (epoch_order.py)
 from streaming.base.shared import SharedMemory
-from streaming.base.shared.prefix import _get_path, _pack_locals, _unpack_locals
+from streaming.base.shared.prefix import _check_and_find_retrying, _check_self, _get_path, _pack_locals, _unpack_locals
+from streaming.base.shared.prefix import get_shm_prefix as stock_get_shm_prefix  # noqa: F401  (prefix_registration.py)
 from streaming.base.shuffle import get_shuffle  # noqa: F401  (epoch_order.py, tests)
 from streaming.base.shuffle.py1e import get_shuffle_py1e as stock_get_shuffle_py1e  # noqa: F401  (tests)
 from streaming.base.shuffle.py1s import divide_spans  # noqa: F401  (epoch_order.py)
@@ -78,6 +82,23 @@ def install_epoch_order(get_sampling, get_shuffle_py1e, generate_work_random) ->
 def install_spanner(spanner_class) -> None:
     """Make datasets built from now on use lean_spanner.py's Spanner (it does, on import)."""
     streaming_dataset_module.Spanner = spanner_class  # the name StreamingDataset.__init__ calls
+
+
+def install_prefix_registration(get_shm_prefix) -> None:
+    """Make datasets built from now on number their blocks with prefix_registration.py's (it does, on import)."""
+    streaming_dataset_module.get_shm_prefix = get_shm_prefix  # the name StreamingDataset.__init__ calls
+
+
+def first_free_prefix(streams_local: list[str], streams_remote: list[str | None], retry: int) -> int:
+    """Stock's scan: the lowest prefix no block or lock file uses; raises if a running dataset uses one of
+    our cache directories (with a remote), as stock does. Checks our own directories for duplicates first."""
+    _check_self(streams_local)
+    return max(_check_and_find_retrying(streams_local, streams_remote, name, retry) for name in SHM_TO_CLEAN)
+
+
+def locals_block_name(prefix: int) -> str:
+    """The name (in /dev/shm) of the block that registers a prefix's cache directories."""
+    return _get_path(prefix, LOCALS)
 
 
 def epoch_order_in_force(get_sampling, get_shuffle_py1e, generate_work_random) -> bool:

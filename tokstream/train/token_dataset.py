@@ -17,6 +17,7 @@ from torch.utils.data import get_worker_info
 from tokstream.format import parse_column_encoding, shard_samples
 from tokstream.train import epoch_order  # noqa: F401  (puts streaming's epoch order replacements in place)
 from tokstream.train import lean_spanner  # noqa: F401  (and its sample-to-shard lookup's)
+from tokstream.train import prefix_registration  # noqa: F401  (and its shared-memory numbering)
 from tokstream.train import streaming_internals as internals
 from tokstream.train.stale_shm import record_owner, release_owner
 

@@ -68,7 +68,7 @@ def setup(config: TrainConfig) -> Run:
         print(describe_epoch(dataset.sources, dataset.samples(config.data.split), epoch_samples,
                              config.global_batch_size))
     store = open_run_store(config.run_dir, config.run_local, check_writable=dist.master)
-    checkpoint_url, saved = find_latest(store)
+    checkpoint_url, saved = find_latest(store, dist)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
         old = saved["run"]
         changes = [*check_relaunch(old["config"], config), plan.describe_change(old["batch_plan"])]
