@@ -68,8 +68,8 @@ def test_owner_records_decide_for_prefixes_our_trainer_registered(tmp_path):
     marks = [SHM_DIR / f"{PREFIX}_{OWNER_MARK}.{int(gone.stdout)}.1",  # a pid that has ended
              SHM_DIR / f"{PREFIX + 1}_{OWNER_MARK}.{alive.pid}.{_start_time(alive.pid)}"]
     try:
-        for mark in marks:
-            mark.touch()
+        for mark, blocks in zip(marks, (killed, running)):
+            mark.write_text(str(blocks[0].stat().st_ino))  # what record_owner writes: the locals block's inode
         with open(killed[1], "r+b") as handle:
             walker = mmap.mmap(handle.fileno(), 4096)  # e.g. another job that walked past this prefix
         removed = remove_stale_shared_memory([str(tmp_path / "train"), str(tmp_path / "val")])
@@ -101,3 +101,31 @@ def test_owner_records_of_a_prefix_without_blocks_go_once_their_owners_are_gone(
     finally:
         dead.unlink(missing_ok=True)
         live.unlink(missing_ok=True)
+
+
+def test_a_dead_owners_record_from_an_earlier_registration_does_not_condemn_the_blocks_there_now(tmp_path):
+    """A run of ours killed while its resource tracker lived: the tracker unlinked the blocks, our owner
+    record stayed, and another job (stock streaming, no records) registered the same number. Its live
+    blocks are judged by mapping, not by the dead record, which goes."""
+    import subprocess
+    import sys
+
+    from tokstream.train.stale_shm import OWNER_MARK
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    blocks = [SHM_DIR / f"{PREFIX}_{LOCALS_BLOCK}", SHM_DIR / f"{PREFIX}_barrier"]
+    dead = SHM_DIR / f"{PREFIX}_{OWNER_MARK}.{int(ended.stdout)}.1"
+    try:
+        blocks[0].write_bytes(locals_block([str(tmp_path / "train")], PREFIX))
+        dead.write_text(str(blocks[0].stat().st_ino))  # recorded for the earlier registration...
+        blocks[0].unlink()  # ...whose blocks its resource tracker removed
+        blocks[0].write_bytes(locals_block([str(tmp_path / "train")], PREFIX))  # the other job's, now
+        blocks[1].write_bytes(bytes(4096))
+        with open(blocks[1], "r+b") as handle:
+            live = mmap.mmap(handle.fileno(), 4096)
+        assert remove_stale_shared_memory([str(tmp_path / "train")]) == []
+        assert all(block.exists() for block in blocks) and not dead.exists()
+        live.close()
+    finally:
+        for path in blocks + [dead]:
+            path.unlink(missing_ok=True)

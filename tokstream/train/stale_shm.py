@@ -10,7 +10,10 @@ of other live jobs on the node, and misses stale ones past a gap.
 Here a prefix is removed only when its `locals` block names one of our cache directories and it
 is not in use. In use means: for a prefix our trainer registered, one of the processes that
 recorded themselves as its owners (`record_owner`, a `NNNNNN_tokstream_owner.PID.START` file
-beside the blocks) is still running. Whether a process maps the blocks says little, because
+beside the blocks, holding the inode of the `locals` block it was recorded for) is still running. A
+record whose inode is not the current `locals` block's belongs to an earlier registration of the
+number (a killed run whose resource tracker unlinked the blocks but not our records, after which
+another job took the number): it says nothing about the blocks there now. Whether a process maps the blocks says little, because
 every process that ever starts a StreamingDataset maps every prefix it walks past for the rest
 of its life (streaming keeps each attached block alive through an atexit hook). For a prefix
 without owner records (another program's), mapped by any process counts as in use. Owner records
@@ -43,11 +46,19 @@ def _start_time(pid: int) -> int | None:
 def record_owner(prefix: int) -> Path | None:
     """Mark this process as a user of a prefix it registered or attached to; `release_owner` unmarks it."""
     start = _start_time(os.getpid())
-    if not SHM_DIR.is_dir() or start is None:
+    locals_inode = _inode(SHM_DIR / f"{prefix:06d}_{LOCALS_BLOCK}")
+    if not SHM_DIR.is_dir() or start is None or locals_inode is None:
         return None
     path = SHM_DIR / f"{prefix:06d}_{OWNER_MARK}.{os.getpid()}.{start}"
-    path.touch()
+    path.write_text(str(locals_inode))
     return path
+
+
+def _recorded_inode(name: str) -> int | None:
+    try:
+        return int((SHM_DIR / name).read_text())
+    except (OSError, ValueError):  # gone meanwhile, or written by a version that recorded no inode
+        return None
 
 
 def release_owner(path: Path | None) -> None:
@@ -109,7 +120,11 @@ def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
     mapped = None  # read only if some candidate has no owner records
     removed = []
     for prefix, names in candidates.items():
-        recorded = owners.get(prefix, [])
+        locals_inode = _inode(SHM_DIR / f"{prefix}_{LOCALS_BLOCK}")
+        recorded, earlier = [], []
+        for record in owners.get(prefix, []):
+            (recorded if _recorded_inode(record[0]) == locals_inode else earlier).append(record)
+        _unlink([name for name, pid, start in earlier if _start_time(pid) != start])
         if recorded:
             in_use = any(_start_time(pid) == start for _, pid, start in recorded)
         else:
