@@ -8,7 +8,8 @@
 All read the same 1,025-token uint16 samples, shuffled, batch 16, one process (plus its DataLoader
 workers), and are timed over the same number of batches after the first:
 - project: tokstream/train's TokenDataset + StreamingDataLoader with the settings train/main.py
-           uses (data.DataConfig's defaults);
+           uses (data.DataConfig's defaults; workers write into the shared ring, as in training),
+           and with workers also the same loader with its transfers pickled (the path before the ring);
 - stock:   streaming.StreamingDataset + StreamingDataLoader with the default collate;
 - litdata: litData's StreamingDataset + TokensLoader + its StreamingDataLoader, over the same
            samples written by litdata.optimize, with its default shuffle (chunks in a shuffled
@@ -58,12 +59,14 @@ def timed_batches(batches, count: int) -> float:
     return tokens / (time.perf_counter() - started)
 
 
-def project_loader(remote: str, local: str | None, workers: int):
+def project_loader(remote: str, local: str | None, workers: int, reuse_slots: bool = True):
+    """Training's loader: DataConfig's defaults, and worker transfers through the shared ring
+    (reuse_slots, as TrainBatches has it); reuse_slots=False: pickled through the pipe instead."""
     from tokstream.train.config import DataConfig
     from tokstream.train.data import make_loader
 
     config = DataConfig(remote=remote, local=local, num_workers=workers)  # training's defaults
-    return make_loader(config, "train", BATCH, shuffle=True, pin_memory=False)
+    return make_loader(config, "train", BATCH, shuffle=True, pin_memory=False, reuse_slots=reuse_slots)
 
 
 def litdata_samples(root: str):
@@ -150,14 +153,22 @@ def main() -> None:
         if peer:
             build_litdata(root, Path(tmp) / "litdata")
         rates: dict[str, float] = {}
+        pickled: dict[int, float] = {}  # the project's workers without the ring: transfers pickled
         for workers in (0, 1, 2, 8):  # 8: what users set by habit
             rates[f"project workers={workers}"] = timed_batches(project_loader(str(root), None, workers), args.batches)
+            if workers:
+                pickled[workers] = timed_batches(project_loader(str(root), None, workers, reuse_slots=False),
+                                                 args.batches)
             rates[f"stock   workers={workers}"] = timed_batches(stock_loader(str(root), None, workers), args.batches)
             if peer:
                 rates[f"litdata workers={workers}"] = timed_batches(litdata_batches(Path(tmp) / "litdata", workers),
                                                                     args.batches)
         rates["memmap get_batch"] = timed_batches(memmap_batches(root), args.batches)
         report("local dataset", rates)
+        print("  project workers, transfers pickled through the pipe: "
+              + " ".join(f"{w}={r / 1e6:.2f} M" for w, r in pickled.items()))
+        print("  ratio_ring_vs_pickled: "
+              + " ".join(f"{w}={rates[f'project workers={w}'] / r:.2f}" for w, r in pickled.items()))
         if args.remote:
             remote_rates(root, Path(tmp), args.batches, rates["memmap get_batch"])
 

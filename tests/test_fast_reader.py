@@ -61,9 +61,9 @@ def stock_batches(root, seed: int, workers: int, state: dict | None = None, shuf
     return out
 
 
-def project_loader(root, seed: int, workers: int, **data):
+def project_loader(root, seed: int, workers: int, reuse_slots: bool = False, **data):
     config = DataConfig(remote=str(root), shuffle_seed=seed, num_workers=workers, **data)
-    return make_loader(config, "train", BATCH, shuffle=True, pin_memory=False)
+    return make_loader(config, "train", BATCH, shuffle=True, pin_memory=False, reuse_slots=reuse_slots)
 
 
 @pytest.mark.parametrize("seed, workers", [(1, 0), (424242, 0)])  # with workers: below
@@ -76,20 +76,62 @@ def test_same_samples_same_order_as_stock(dataset, tmp_path, seed, workers):
     np.testing.assert_array_equal(np.concatenate(got), np.concatenate(expected))
 
 
-@pytest.mark.parametrize("workers, transfer_samples", [(1, 256), (2, 8), (3, 24), (8, 40)])  # 2 at 256: the resume test
+@pytest.mark.parametrize("workers, transfer_samples, ring", [(1, 256, True), (2, 8, False), (2, 8, True),
+                                                             (3, 24, True), (8, 40, False)])  # 2 at 256: resume
 def test_workers_sending_several_batches_at_once_keep_stocks_order(dataset, tmp_path, monkeypatch, workers,
-                                                                    transfer_samples):
-    """Workers hand over several micro-batches per transfer (token_loader.py); the rank must still yield
-    stock's micro-batches in stock's order, over two epochs, including each worker's last, short
-    transfer (3 and 8 workers leave the workers' shares uneven, so some run out a round early)."""
+                                                                    transfer_samples, ring):
+    """Workers hand over several micro-batches per transfer (token_loader.py), pickled or written into
+    the shared ring training uses (transfer_ring.py); the rank must still yield stock's micro-batches
+    in stock's order, over two epochs, including each worker's last, short transfer (3 and 8
+    workers leave the workers' shares uneven, so some run out a round early)."""
     monkeypatch.setattr(token_loader, "TRANSFER_SAMPLES", transfer_samples)
     expected = stock_batches(fresh_copy(dataset, tmp_path, "stock"), 5, workers, epochs=2)
-    loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), 5, workers)
+    loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), 5, workers, reuse_slots=ring)
     got = [batch["tokens"].numpy().copy() for _ in range(2) for batch in loader]
     del loader
     gc.collect()
     assert len(got) == len(expected) > 1000
     np.testing.assert_array_equal(np.stack(got), np.stack(expected))
+
+
+@pytest.mark.parametrize("workers, transfer_samples", [(1, 8), (3, 24)])
+def test_a_ring_slot_is_rewritten_only_after_a_round_more_was_yielded(dataset, tmp_path, monkeypatch, workers,
+                                                                      transfer_samples):
+    """With the ring, micro-batches are views of a few slots per worker, written once by the worker and
+    never copied in the rank; each stays intact while the consumer takes one more round (a
+    transfer from every worker), which covers a training loop that copies a micro-batch to the
+    device before asking for the next. Workers far ahead wait for their slots (the epoch has far
+    more transfers than slots)."""
+    monkeypatch.setattr(token_loader, "TRANSFER_SAMPLES", transfer_samples)
+    expected = stock_batches(fresh_copy(dataset, tmp_path, "stock"), 9, workers)
+    loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), 9, workers, reuse_slots=True)
+    window = workers * transfer_samples // BATCH  # micro-batches in a round
+    held, pointers = [], set()
+    for index, batch in enumerate(loader):
+        held = (held + [batch["tokens"]])[-window - 1:]  # no copy: the slot itself
+        pointers.add(batch["tokens"].data_ptr())
+        for back, tokens in enumerate(reversed(held)):
+            np.testing.assert_array_equal(tokens.numpy(), expected[index - back])
+    slots = (2 + 3) * window  # prefetch_factor 2, + 3 slots a worker, of `window // workers` micro-batches each
+    assert index + 1 == len(expected) > 5 * slots and len(pointers) == slots
+    del held, batch, loader
+    gc.collect()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the ring's CUDA registration")
+def test_on_a_gpu_worker_batches_land_pinned_in_the_ring_and_reach_the_device_exact(dataset, tmp_path):
+    """Training's path on a GPU: pinned where the worker wrote them (a few slots' addresses, so no
+    pinning copy per transfer), and the device gets stock's tokens, copied without blocking."""
+    expected = stock_batches(fresh_copy(dataset, tmp_path, "stock"), 5, 2)
+    config = DataConfig(remote=str(fresh_copy(dataset, tmp_path, "ours")), shuffle_seed=5, num_workers=2)
+    loader = make_loader(config, "train", BATCH, shuffle=True, pin_memory=True, reuse_slots=True)
+    inputs, pointers = [], set()
+    for batch in loader:
+        assert batch["tokens"].is_pinned()
+        pointers.add(batch["tokens"].data_ptr())
+        inputs.append(to_device(batch, torch.device("cuda"))[0])
+    assert len(inputs) == len(expected) and len(pointers) <= 2 * (2 + 3) * token_loader.TRANSFER_SAMPLES // BATCH
+    np.testing.assert_array_equal(torch.stack(inputs).cpu().numpy(), np.stack(expected)[:, :, :-1].astype(np.int64))
 
 
 class UnevenShares(torch.utils.data.IterableDataset):
@@ -148,8 +190,9 @@ def test_an_epoch_smaller_than_a_batch_or_a_round_of_workers_gives_stocks_batche
 @pytest.mark.parametrize("workers, resume_workers, resume_after", [(2, 2, 45), (3, 1, 7), (1, 3, 200)])
 def test_a_checkpoint_between_transfers_resumes_like_stock(dataset, tmp_path, workers, resume_after, resume_workers):
     """The state after any micro-batch is stock's after the same micro-batches, whatever the workers had
-    read ahead, and a relaunch (with another worker count) continues as stock does from it."""
-    loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), 11, workers)
+    read ahead, and a relaunch (with another worker count) continues as stock does from it. The first
+    run reads through the ring (as training does), the relaunch without it."""
+    loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), 11, workers, reuse_slots=True)
     stock = stock_loader(fresh_copy(dataset, tmp_path, "stock"), 11, workers)
     ours_it, stock_it = iter(loader), iter(stock)
     for _ in range(resume_after):
@@ -259,7 +302,8 @@ def workers() -> list[int]:  # forked: the same command line as this process
     me = Path("/proc/self/cmdline").read_bytes()
     return [pid for pid in descendants(os.getpid()) if Path(f"/proc/{pid}/cmdline").read_bytes() == me]
 
-loader = make_loader(DataConfig(remote=sys.argv[1], num_workers=2), "train", 8, shuffle=True, pin_memory=False)
+loader = make_loader(DataConfig(remote=sys.argv[1], num_workers=2), "train", 8, shuffle=True, pin_memory=False,
+                     reuse_slots=sys.argv[3] == "ring")
 batches = iter(loader)
 next(batches)
 before, started = workers(), time.monotonic()
@@ -283,12 +327,14 @@ def running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("end", ["raise", "sigkill"])
-def test_dataloader_workers_end_with_their_loader_and_with_their_rank(dataset, tmp_path, end):
+@pytest.mark.parametrize("end, transfers", [("raise", "pickled"), ("sigkill", "pickled"), ("raise", "ring"),
+                                             ("sigkill", "ring")])
+def test_dataloader_workers_end_with_their_loader_and_with_their_rank(dataset, tmp_path, end, transfers):
     """Workers ignore SIGTERM (only the rank reacts to a preemption), so they must end by themselves:
     when the loader is done with them, when the rank exits on an exception with the loader alive
     (multiprocessing's exit used to wait forever for them), and when the rank is SIGKILLed (the
-    DataLoader's watchdog notices within 5 s; streaming's download-ahead threads used to keep them)."""
+    DataLoader's watchdog notices within 5 s; streaming's download-ahead threads used to keep them).
+    With the ring, the workers are by then waiting for slots the rank will not release."""
     import subprocess
     import sys
     import threading
@@ -296,7 +342,7 @@ def test_dataloader_workers_end_with_their_loader_and_with_their_rank(dataset, t
 
     from conftest import ROOT
 
-    rank = subprocess.Popen([sys.executable, "-c", WORKERS_SCRIPT, str(fresh_copy(dataset, tmp_path, "ds")), end],
+    rank = subprocess.Popen([sys.executable, "-c", WORKERS_SCRIPT, str(fresh_copy(dataset, tmp_path, "ds")), end, transfers],
                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     watchdog = threading.Timer(120, rank.kill)  # a hang fails the test rather than the suite
     watchdog.start()

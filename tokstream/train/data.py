@@ -175,7 +175,7 @@ class TrainBatches:
 
     def __init__(self, config: DataConfig, micro_batch_size: int, epoch_samples: list[int], pin_memory: bool):
         self.loader = make_loader(config, config.split, micro_batch_size, shuffle=True, pin_memory=pin_memory,
-                                  choose=epoch_samples)
+                                  choose=epoch_samples, reuse_slots=True)
         self._first_sample_of_source = self.loader.dataset.sample_offset_per_stream
         # No reference back to self: a cycle would keep the loader's workers alive past the run.
         self._batches = _epoch_after_epoch(self.loader)
@@ -215,9 +215,9 @@ def predownload(config: DataConfig, batch_size: int) -> int:
 
 def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, pin_memory: bool,
                 num_workers: int | None = None, choose: list[int] | None = None,
-                sources: list[Source] | None = None) -> TokenLoader:
+                sources: list[Source] | None = None, reuse_slots: bool = False) -> TokenLoader:
     """A loader over the split of every source (or of `sources`), each giving `choose[i]` samples an
-    epoch (default: each of its samples once)."""
+    epoch (default: each of its samples once). `reuse_slots`: see TokenLoader."""
     sources = mixture.sources(config) if sources is None else sources
     streams = []
     for index, source in enumerate(sources):
@@ -237,7 +237,7 @@ def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, 
     except ValueError as err:  # streaming's word on a bad setting, e.g. a cache_limit below 4 shards
         raise UserError(f"data ({split}): {err}") from None
     workers = config.num_workers if num_workers is None else num_workers
-    return TokenLoader(dataset, batch_size, workers, pin_memory,
+    return TokenLoader(dataset, batch_size, workers, pin_memory, reuse_slots=reuse_slots,
                        prefetch_factor=config.prefetch_factor if workers else None,
                        persistent_workers=False)
 

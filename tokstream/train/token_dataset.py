@@ -20,6 +20,7 @@ from tokstream.train import lean_spanner  # noqa: F401  (and its sample-to-shard
 from tokstream.train import prefix_registration  # noqa: F401  (and its shared-memory numbering)
 from tokstream.train import streaming_internals as internals
 from tokstream.train.stale_shm import record_owner, release_owner
+from tokstream.train.transfer_ring import TransferRing
 
 _TORCH_DTYPE = {np.dtype(np.uint16): torch.uint16, np.dtype(np.uint32): torch.uint32}
 
@@ -41,6 +42,7 @@ class TokenDataset(internals.WindowedDownloadAhead):
         super().__init__(*args, **kwargs)
         self.pin_batches = False  # set by TokenLoader
         self.transfer_samples: int | None = None  # samples per item in a DataLoader worker (TokenLoader)
+        self.ring: TransferRing | None = None  # where workers write their transfers, if shared (TokenLoader)
         self._views: dict[int, np.ndarray] = {}  # shard id -> (samples, tokens) view of its mapped file
         self._sample_format: tuple[np.dtype, int] | None = None
         # Lets a relaunch tell this prefix's shared memory from a killed run's (stale_shm.py).
@@ -108,10 +110,16 @@ class TokenDataset(internals.WindowedDownloadAhead):
         """The samples' tokens as one (samples, block_size + 1) array, and their ids.
 
         In the rank: tensors, the tokens pinned if `pin_batches`. In a DataLoader worker: numpy arrays
-        shaped as whole micro-batches, with the worker's id (they cross to the rank in one pickle).
+        shaped as whole micro-batches, with the worker's id (they cross to the rank in one pickle), or,
+        with a ring, the tokens written into the worker's next slot and only the slot's number sent.
         """
         ids = np.array(sample_ids, dtype=np.int64)
         worker = get_worker_info()
+        if worker is not None and self.ring is not None:
+            transfer = self.ring.write(worker.id, self._rows(ids))
+            if transfer is None:  # the rank closed the ring: it reads no more
+                os._exit(0)
+            return {"worker": worker.id, "transfer": transfer, "ids": ids.reshape(-1, self.batch_size)}
         if worker is not None:
             tokens = np.stack(self._rows(ids))
             return {"worker": worker.id, "tokens": tokens.reshape(-1, self.batch_size, tokens.shape[1]),

@@ -12,9 +12,14 @@ stock StreamingDataLoader yields them: the DataLoader takes one batch from each 
 (worker 0, 1, ..., then round again), a worker that has run out drops out of the round. Streaming's
 resume state counts the samples the rank has yielded, as stock streaming does, so a checkpoint
 taken between any two micro-batches resumes exactly, whatever the workers had read ahead.
+
+With `reuse_slots` (training's loop, which is done with a micro-batch once it asks for the next)
+workers write their transfers into a shared ring the rank reads in place (transfer_ring.py), and
+only ids cross the pipe.
 """
 
 import atexit
+import multiprocessing
 import os
 import signal
 import threading
@@ -27,6 +32,7 @@ from streaming import StreamingDataLoader
 from torch.utils.data import DataLoader
 
 from tokstream.train.token_dataset import TokenDataset
+from tokstream.train.transfer_ring import TransferRing
 
 # 0.3 ms per hand-off over at least 256 samples: a few percent of a worker's time.
 TRANSFER_SAMPLES = 256
@@ -62,6 +68,8 @@ def _end_workers() -> None:
     """At exit, end the workers of loaders still alive (a rank ending on an exception), the DataLoader's
     own way. multiprocessing's exit would SIGTERM them, which they ignore, and then wait for them forever."""
     for batches in list(_WITH_WORKERS):
+        if (ring := getattr(batches, "transfer_ring", None)) is not None:
+            ring.close()  # a worker waiting for a slot would not see the DataLoader's end
         batches._shutdown_workers()
 
 
@@ -70,7 +78,8 @@ def _as_is(item: dict) -> dict:
     return item
 
 
-def in_stock_order(transfers: Iterator[dict], num_workers: int, pin_memory: bool) -> Iterator[dict]:
+def in_stock_order(transfers: Iterator[dict], num_workers: int, pin_memory: bool,
+                   ring: TransferRing | None = None) -> Iterator[dict]:
     """The micro-batches of the workers' transfers in the order stock StreamingDataLoader yields them.
 
     Transfers arrive round by round (the DataLoader asks the workers in turn), each holding the next
@@ -83,18 +92,23 @@ def in_stock_order(transfers: Iterator[dict], num_workers: int, pin_memory: bool
         if round_ and transfer["worker"] <= round_[-1]["worker"]:
             yield from _interleaved(round_)
             round_ = []
-        round_.append(_as_tensors(transfer, pin_memory))
+        round_.append(_as_tensors(transfer, pin_memory, ring))
         if transfer["worker"] == num_workers - 1:
             yield from _interleaved(round_)
             round_ = []
     yield from _interleaved(round_)
 
 
-def _as_tensors(transfer: dict, pin_memory: bool) -> dict:
-    tokens = torch.from_numpy(transfer["tokens"])
+def _as_tensors(transfer: dict, pin_memory: bool, ring: TransferRing | None) -> dict:
+    ids = torch.from_numpy(transfer["ids"])
+    if "transfer" in transfer:  # written into the ring: read in place, pinned there if it could be
+        tokens = ring.tokens(transfer["worker"], transfer["transfer"], ids.numel()).view(*ids.shape, -1)
+        pin_memory = pin_memory and not ring.pinned
+    else:
+        tokens = torch.from_numpy(transfer["tokens"])
     if pin_memory and len(tokens):
         tokens = tokens.pin_memory()  # one copy per transfer; the micro-batches are views of it
-    return {"worker": transfer["worker"], "tokens": tokens, "ids": torch.from_numpy(transfer["ids"])}
+    return {"worker": transfer["worker"], "tokens": tokens, "ids": ids}
 
 
 def _interleaved(round_: list[dict]) -> Iterator[dict]:
@@ -109,10 +123,14 @@ class TokenLoader(StreamingDataLoader):
     state the same count of samples yielded. The dataset yields whole batches (token_dataset.py):
     micro-batches in the rank, transfers in workers (see the module)."""
 
-    def __init__(self, dataset: TokenDataset, batch_size: int, num_workers: int, pin_memory: bool, **kwargs):
+    def __init__(self, dataset: TokenDataset, batch_size: int, num_workers: int, pin_memory: bool,
+                 reuse_slots: bool = False, **kwargs):
+        """`reuse_slots`: a micro-batch from a worker is valid only until the loader has yielded about two
+        transfers more (transfer_ring.py); for a loop that copies each one to the device and moves on."""
         if dataset.batch_size != batch_size:
             raise ValueError(f"the dataset's batch_size {dataset.batch_size} is not the loader's {batch_size}")
         self.pins = pin_memory
+        self.reuse_slots = reuse_slots
         dataset.pin_batches = pin_memory and not num_workers  # workers' batches are pinned on arrival
         dataset.transfer_samples = batch_size * max(1, -(-TRANSFER_SAMPLES // batch_size))
         super().__init__(dataset, batch_size=None, num_workers=num_workers, collate_fn=_as_is,
@@ -120,10 +138,27 @@ class TokenLoader(StreamingDataLoader):
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         self.num_samples_yielded = 0
-        batches = DataLoader.__iter__(self)  # not StreamingDataLoader's: it would count transfers
-        if self.num_workers:
-            _WITH_WORKERS.add(batches)
-            batches = in_stock_order(batches, self.num_workers, self.pins)
-        for batch in batches:
-            self.num_samples_yielded += len(batch["ids"])
-            yield batch
+        ring = self.dataset.ring = self._ring()  # before the workers fork: they inherit it
+        try:
+            batches = DataLoader.__iter__(self)  # not StreamingDataLoader's: it would count transfers
+            self.dataset.ring = None
+            if self.num_workers:
+                _WITH_WORKERS.add(batches)
+                batches.transfer_ring = ring
+                batches = in_stock_order(batches, self.num_workers, self.pins, ring)
+            for batch in batches:
+                self.num_samples_yielded += len(batch["ids"])
+                yield batch
+        finally:
+            self.dataset.ring = None
+            if ring is not None:
+                ring.close()
+
+    def _ring(self) -> TransferRing | None:
+        """The ring this iteration's workers write into, where they will be forked from this process."""
+        context = self.multiprocessing_context or multiprocessing
+        if not (self.reuse_slots and self.num_workers and context.get_start_method() == "fork"):
+            return None
+        dtype, length = self.dataset.sample_format()
+        return TransferRing(self.num_workers, (self.prefetch_factor or 2) + 3, self.dataset.transfer_samples,
+                            length, dtype, pin=self.pins)
