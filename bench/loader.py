@@ -9,7 +9,8 @@ All read the same 1,025-token uint16 samples, shuffled, batch 16, one process (p
 workers), and are timed over the same number of batches after the first:
 - project: tokstream/train's TokenDataset + StreamingDataLoader with the settings train/main.py
            uses (data.DataConfig's defaults; workers write into the shared ring, as in training),
-           and with workers also the same loader with its transfers pickled (the path before the ring);
+           and with workers also the same loader with its transfers pickled (the path before the ring),
+           the two alternately --repeat times each, medians;
 - stock:   streaming.StreamingDataset + StreamingDataLoader with the default collate;
 - litdata: litData's StreamingDataset + TokensLoader + its StreamingDataLoader, over the same
            samples written by litdata.optimize, with its default shuffle (chunks in a shuffled
@@ -19,6 +20,7 @@ workers), and are timed over the same number of batches after the first:
 """
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -141,6 +143,7 @@ def main() -> None:
     parser.add_argument("--data", default=None, help="converted dataset root (default: build one)")
     parser.add_argument("--tokens", type=int, default=100, help="millions of tokens when building")
     parser.add_argument("--batches", type=int, default=2000)
+    parser.add_argument("--repeat", type=int, default=4, help="runs of each, with workers: ring vs pickled")
     parser.add_argument("--remote", action="store_true", help="also measure from S3 on loopback, cold cache")
     args = parser.parse_args()
 
@@ -155,10 +158,15 @@ def main() -> None:
         rates: dict[str, float] = {}
         pickled: dict[int, float] = {}  # the project's workers without the ring: transfers pickled
         for workers in (0, 1, 2, 8):  # 8: what users set by habit
-            rates[f"project workers={workers}"] = timed_batches(project_loader(str(root), None, workers), args.batches)
-            if workers:
-                pickled[workers] = timed_batches(project_loader(str(root), None, workers, reuse_slots=False),
-                                                 args.batches)
+            if workers:  # ring and pickled alternately, medians: their difference is within one run's noise here
+                runs = {ring: [] for ring in (True, False)}
+                for turn in range(args.repeat):
+                    for ring in (True, False) if turn % 2 == 0 else (False, True):
+                        runs[ring].append(timed_batches(project_loader(str(root), None, workers, ring), args.batches))
+                rates[f"project workers={workers}"] = statistics.median(runs[True])
+                pickled[workers] = statistics.median(runs[False])
+            else:
+                rates["project workers=0"] = timed_batches(project_loader(str(root), None, 0), args.batches)
             rates[f"stock   workers={workers}"] = timed_batches(stock_loader(str(root), None, workers), args.batches)
             if peer:
                 rates[f"litdata workers={workers}"] = timed_batches(litdata_batches(Path(tmp) / "litdata", workers),
