@@ -142,6 +142,8 @@ class TokenLoader(StreamingDataLoader):
         try:
             batches = DataLoader.__iter__(self)  # not StreamingDataLoader's: it would count transfers
             self.dataset.ring = None
+            if ring is not None and self.pins:
+                ring.pin()  # the workers have forked
             if self.num_workers:
                 _WITH_WORKERS.add(batches)
                 batches.transfer_ring = ring
@@ -161,4 +163,4 @@ class TokenLoader(StreamingDataLoader):
             return None
         dtype, length = self.dataset.sample_format()
         return TransferRing(self.num_workers, (self.prefetch_factor or 2) + 3, self.dataset.transfer_samples,
-                            length, dtype, pin=self.pins)
+                            length, dtype)

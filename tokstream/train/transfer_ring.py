@@ -3,9 +3,10 @@
 Without this, a DataLoader worker's transfer (token_loader.py) is stacked into a worker array,
 pickled through a pipe, unpickled in the rank and copied again into pinned memory: four copies of
 every token before the one to the device. Here the rank maps one shared anonymous region before its
-workers fork, registers it with CUDA as pinned host memory when batches go to a GPU, and cuts it
-into `slots` slots per worker. A worker stacks its n-th transfer's rows straight into slot
-n % slots and sends only the ids and the slot's number; the rank's micro-batches are views of it.
+workers fork, registers it with CUDA as pinned host memory once they have forked when batches go
+to a GPU, and cuts it into `slots` slots per worker. A worker stacks its n-th transfer's rows
+straight into slot n % slots and sends only the ids and the slot's number; the rank's
+micro-batches are views of it.
 
 A slot is reused only once the rank has released it. The rank releases worker w's transfer n-2 when
 transfer n arrives: by then every micro-batch of n-2 was yielded and its consumer asked for more,
@@ -38,7 +39,7 @@ _POLL_S = 0.001
 class TransferRing:
     """`workers` x `slots` slots of `rows` samples of `length` tokens of `dtype`, shared with forked workers."""
 
-    def __init__(self, workers: int, slots: int, rows: int, length: int, dtype: np.dtype, pin: bool):
+    def __init__(self, workers: int, slots: int, rows: int, length: int, dtype: np.dtype):
         if slots < 3:
             raise ValueError("a transfer ring needs at least 3 slots per worker (see the module)")
         self.workers, self.slots, self.rows, self.length, self.dtype = workers, slots, rows, length, np.dtype(dtype)
@@ -50,11 +51,17 @@ class TransferRing:
         self._owner = os.getpid()
         self._tokens = torch.frombuffer(self._region, dtype=_torch_dtype(self.dtype))
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
-        self.pinned = pin and _register_pinned(self._tokens)
+        self.pinned = False
         self._sent: dict[int, int] = {}  # in a worker: transfers it has written, per worker id
 
     def _slot(self, worker: int, transfer: int) -> int:
         return (worker * self.slots + transfer % self.slots) * self._slot_items
+
+    def pin(self) -> bool:
+        """In the rank, once its workers have forked (CUDA may keep page-locked memory out of a forked
+        child): page-lock the region for the GPU in place. False where CUDA cannot."""
+        self.pinned = _register_pinned(self._tokens)
+        return self.pinned
 
     # In a worker.
 
@@ -106,7 +113,8 @@ def _register_pinned(tokens: torch.Tensor) -> bool:
     """Page-lock the region for the GPU in place (cudaHostRegister); False where CUDA cannot."""
     if not torch.cuda.is_available() or not len(tokens):
         return False
-    status = torch.cuda.cudart().cudaHostRegister(tokens.data_ptr(), tokens.numel() * tokens.element_size(), 0)
+    size = tokens.numel() * tokens.element_size()
+    status = torch.cuda.cudart().cudaHostRegister(tokens.data_ptr(), size, 1)  # 1: cudaHostRegisterPortable
     return int(status) == 0
 
 
