@@ -78,7 +78,28 @@ def test_shard_samples_reads_back_what_was_written(tmp_path):
     writer = ShardWriter(tmp_path, meta, "64mb")
     writer.write(samples)
     writer.finish()
-    np.testing.assert_array_equal(shard_samples((tmp_path / "shard.00000.mds").read_bytes(), np.uint16, 17), samples)
+    data = (tmp_path / "shard.00000.mds").read_bytes()
+    np.testing.assert_array_equal(shard_samples(data, np.uint16, 17), samples)
+    np.testing.assert_array_equal(shard_samples(data, np.uint16, 17, every_offset=False), samples)
+
+
+def test_shard_samples_refuses_a_shard_whose_offsets_are_not_this_formats(tmp_path):
+    """Every offset for the checker; the first and last, all a reader's view depends on, for a reader."""
+    meta = metadata(block_size=16)
+    writer = ShardWriter(tmp_path, meta, "64mb")
+    writer.write(np.arange(17 * 10, dtype=np.uint16).reshape(10, 17))
+    writer.finish()
+    data = bytearray((tmp_path / "shard.00000.mds").read_bytes())
+    offsets = np.frombuffer(data, dtype=np.uint32, count=11, offset=4)
+    middle, last = data.copy(), data.copy()
+    np.frombuffer(middle, dtype=np.uint32, count=11, offset=4)[5] = offsets[5] + 2
+    np.frombuffer(last, dtype=np.uint32, count=11, offset=4)[-1] = offsets[-1] + 2
+    with pytest.raises(ValueError, match="samples are not 34 bytes each"):
+        shard_samples(bytes(middle), np.uint16, 17)
+    shard_samples(bytes(middle), np.uint16, 17, every_offset=False)  # the view does not use it
+    for every_offset in (True, False):
+        with pytest.raises(ValueError):
+            shard_samples(bytes(last), np.uint16, 17, every_offset=every_offset)
 
 
 def test_packer_and_writer_continue_from_their_state_with_the_same_bytes(tmp_path):

@@ -66,7 +66,7 @@ class TokenDataset(internals.WindowedDownloadAhead):
         dtype, length = self.sample_format()
         path = internals.shard_file(self, shard_id)
         # A plain ndarray view: slicing a np.memmap subclass costs far more per sample.
-        return shard_samples(np.asarray(np.memmap(path, dtype=np.uint8, mode="r")), dtype, length)
+        return shard_samples(np.asarray(np.memmap(path, dtype=np.uint8, mode="r")), dtype, length, every_offset=False)
 
     def sample_format(self) -> tuple[np.dtype, int]:
         if self._sample_format is None:
