@@ -167,10 +167,12 @@ def test_transfers_follow_the_dataloaders_round_order_when_workers_run_out_round
     assert got == expected and len(expected) == 35 + 1 + 16
 
 
-@pytest.mark.parametrize("workers, epoch", [(0, 5), (0, 21), (3, 21), (3, 45)])
-def test_an_epoch_smaller_than_a_batch_or_a_round_of_workers_gives_stocks_batches(dataset, tmp_path, workers, epoch):
+@pytest.mark.parametrize("workers, epoch, ring", [(0, 5, False), (0, 21, False), (3, 21, False), (3, 21, True),
+                                                 (3, 45, True)])
+def test_an_epoch_smaller_than_a_batch_or_a_round_of_workers_gives_stocks_batches(dataset, tmp_path, workers, epoch,
+                                                                                  ring):
     """Epochs of fewer samples than a batch, or than one batch per worker: some workers get no whole
-    micro-batch, or only a partial one to drop. Two epochs, against stock."""
+    micro-batch, or only a partial one to drop. Two epochs (a ring each), against stock."""
     from streaming import Stream, StreamingDataLoader, StreamingDataset
 
     stream = Stream(local=str(fresh_copy(dataset, tmp_path, "stock")), split="train", choose=epoch)
@@ -178,7 +180,7 @@ def test_an_epoch_smaller_than_a_batch_or_a_round_of_workers_gives_stocks_batche
                                                  batch_size=BATCH), batch_size=BATCH, num_workers=workers, drop_last=True)
     expected = [batch["tokens"].numpy().copy() for _ in range(2) for batch in stock]
     config = DataConfig(remote=str(fresh_copy(dataset, tmp_path, "ours")), shuffle_seed=2, num_workers=workers)
-    loader = make_loader(config, "train", BATCH, shuffle=True, pin_memory=False, choose=[epoch])
+    loader = make_loader(config, "train", BATCH, shuffle=True, pin_memory=False, choose=[epoch], reuse_slots=ring)
     got = [batch["tokens"].numpy().copy() for _ in range(2) for batch in loader]
     del stock, loader
     gc.collect()

@@ -13,11 +13,12 @@ recorded themselves as its owners (`record_owner`, a `NNNNNN_tokstream_owner.PID
 beside the blocks, holding the inode of the `locals` block it was recorded for) is still running. A
 record whose inode is not the current `locals` block's belongs to an earlier registration of the
 number (a killed run whose resource tracker unlinked the blocks but not our records, after which
-another job took the number): it says nothing about the blocks there now. Whether a process maps the blocks says little, because
-every process that ever starts a StreamingDataset maps every prefix it walks past for the rest
-of its life (streaming keeps each attached block alive through an atexit hook). For a prefix
-without owner records (another program's), mapped by any process counts as in use. Owner records
-left by killed processes of a prefix whose blocks are gone are removed too.
+another job took the number): it says nothing about the blocks there now. Whether a process maps
+the blocks says little, because every process that ever starts a StreamingDataset maps every
+prefix it walks past for the rest of its life (streaming keeps each attached block alive through
+an atexit hook). For a prefix without owner records (another program's), mapped by any process
+counts as in use. Owner records left by killed processes of a prefix whose blocks are gone are
+removed too.
 """
 
 import os

@@ -141,7 +141,6 @@ class TokenLoader(StreamingDataLoader):
         ring = self.dataset.ring = self._ring()  # before the workers fork: they inherit it
         try:
             batches = DataLoader.__iter__(self)  # not StreamingDataLoader's: it would count transfers
-            self.dataset.ring = None
             if ring is not None and self.pins:
                 ring.pin()  # the workers have forked
             if self.num_workers:

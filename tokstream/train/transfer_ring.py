@@ -49,7 +49,7 @@ class TransferRing:
         self._control = mmap.mmap(-1, 8 * (workers + 1))
         self._released = np.frombuffer(self._control, dtype=np.int64)  # [w]: transfers of w released; [-1]: closed
         self._owner = os.getpid()
-        self._tokens = torch.frombuffer(self._region, dtype=_torch_dtype(self.dtype))
+        self._tokens = torch.from_numpy(np.frombuffer(self._region, dtype=self.dtype))  # in place
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self.pinned = False
         self._sent: dict[int, int] = {}  # in a worker: transfers it has written, per worker id
@@ -116,7 +116,3 @@ def _register_pinned(tokens: torch.Tensor) -> bool:
     size = tokens.numel() * tokens.element_size()
     status = torch.cuda.cudart().cudaHostRegister(tokens.data_ptr(), size, 1)  # 1: cudaHostRegisterPortable
     return int(status) == 0
-
-
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
