@@ -54,14 +54,17 @@ def shuffled_with_warnings(shuffle, args) -> tuple[np.ndarray, int]:
         return shuffle(*args), len(warned)
 
 
-@pytest.mark.parametrize("fraction_bits, min_fraction_bits", [
-    (epoch_order.MAX_FRACTION_BITS, epoch_order.MIN_FRACTION_BITS),
-    (2, 0), (0, 0),  # equal keys in most runs
-    (3, 4)])  # too few bits: the argsort
-def test_the_fast_py1e_shuffle_is_streamings_and_is_the_one_in_force(monkeypatch, fraction_bits, min_fraction_bits):
+@pytest.mark.parametrize("fraction_bits, min_fraction_bits, sort_run", [
+    (epoch_order.MAX_FRACTION_BITS, epoch_order.MIN_FRACTION_BITS, epoch_order.SORT_RUN),  # one run a node here
+    (epoch_order.MAX_FRACTION_BITS, epoch_order.MIN_FRACTION_BITS, 1),  # a run a span, merged
+    (2, 0, 5000), (0, 0, 1),  # equal keys in most runs, across runs
+    (3, 4, 1)])  # too few bits: the argsort
+def test_the_fast_py1e_shuffle_is_streamings_and_is_the_one_in_force(monkeypatch, fraction_bits, min_fraction_bits,
+                                                                     sort_run):
     assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_fast, generate_work_random)
     monkeypatch.setattr(epoch_order, "MAX_FRACTION_BITS", fraction_bits)
     monkeypatch.setattr(epoch_order, "MIN_FRACTION_BITS", min_fraction_bits)
+    monkeypatch.setattr(epoch_order, "SORT_RUN", sort_run)
     rng = np.random.default_rng(fraction_bits)
     for _ in range(60 if min_fraction_bits <= fraction_bits else 10):
         args = random_shuffle_args(rng)
