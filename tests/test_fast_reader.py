@@ -234,6 +234,27 @@ def test_resume_points_continue_like_stock(dataset, tmp_path, resume_after):
     np.testing.assert_array_equal(np.concatenate(got), np.concatenate(expected))
 
 
+def test_streamings_file_locks_are_prompt_ones_and_still_exclude(dataset, tmp_path):
+    """The barrier every rank and worker passes at each epoch start, and the cache lock, poll every
+    millisecond when held by another (PromptFileLock), and are still locks: held, nobody else gets them."""
+    from filelock import Timeout
+
+    from tokstream.train.streaming_internals import LOCK_POLL_S, PromptFileLock, file_locks
+
+    loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), 1, 0)
+    next(iter(loader))
+    for lock in file_locks(loader.dataset):
+        assert type(lock) is PromptFileLock, lock.lock_file
+        assert LOCK_POLL_S < 0.05  # filelock's own default: 50 ms
+        other = PromptFileLock(lock.lock_file)  # another open file: flock excludes it as it would another process
+        with lock:
+            with pytest.raises(Timeout):
+                other.acquire(timeout=0.05)
+        with other.acquire(timeout=5):
+            assert other.is_locked
+    del loader
+
+
 def mapped_deleted_files(directory: Path) -> set[str]:
     """Files under `directory` that this process still maps although they were deleted."""
     maps = Path("/proc/self/maps").read_text().splitlines()
