@@ -154,15 +154,22 @@ def main() -> None:
             print(f"bin_to_mds.py {convert_s:.1f} s, verify.py {time.perf_counter() - started:.1f} s", flush=True)
         print(f"\n{'ranks':>5} {'start':>6} {'start_s':>7} {'first_batch_s':>13} {'rss_imports_mb':>14} "
               f"{'rss_peak_mb':>11} {'dataset_mb':>10} {'shm_node_kb':>11}")
+        worst_per_run: dict[int, list[float]] = {}
         for ranks in args.ranks:
             for position in [p for p in (0.0, 0.1, 0.5, 0.9) for _ in range(args.repeat)]:
                 reports, shm = run_ranks(root, epoch, ranks, position)
                 worst = max(reports, key=lambda r: r["first_batch_s"])
+                worst_per_run.setdefault(ranks, []).append(worst["first_batch_s"])
                 fattest = max(reports, key=lambda r: r["rss_peak_mb"] - r["rss_imports_mb"])
                 where = "fresh" if not position else f"{position:.0%}"
                 print(f"{ranks:>5} {where:>6} {max(r['start_s'] for r in reports):7.2f} "
                       f"{worst['first_batch_s']:13.2f} {fattest['rss_imports_mb']:14.0f} {fattest['rss_peak_mb']:11.0f} "
                       f"{fattest['rss_peak_mb'] - fattest['rss_imports_mb']:10.0f} {shm / 1024:11.1f}", flush=True)
+        print()
+        for ranks, seconds in worst_per_run.items():
+            print(f"{ranks} rank(s), first_batch_s of the slowest rank over {len(seconds)} runs: min {min(seconds):.2f} "
+                  f"median {np.median(seconds):.2f} max {max(seconds):.2f}, under 1 s in "
+                  f"{sum(s < 1 for s in seconds)}/{len(seconds)}")
         # Last: the parent's memory would otherwise be the ranks' starting peak RSS (inherited at fork).
         print("\n" + sampling_times(root, epoch), flush=True)
     print("worst rank shown; goals: first_batch_s < 1, dataset_mb <= 300 per rank")
