@@ -80,6 +80,12 @@ def nanogpt_stream(encoding, docs: list[str]) -> list[int]:
     return stream
 
 
+def namespaces_permitted() -> bool:
+    """Whether processes can get a node's own /dev/shm here (several nodes on one machine)."""
+    return subprocess.run(["unshare", "--ipc", "--mount", "--propagation", "private", "true"],
+                          capture_output=True).returncode == 0
+
+
 def run_script(script: str, *args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     """Run one of the project's CLIs as a user would."""
     return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True,

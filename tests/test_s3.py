@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 import test_training as training
-from conftest import (BUCKET, ROOT, run_script, shakespeare_paragraphs, tagged_lines, tree_bytes, wikitext_articles,
-                      write_jsonl)
+from conftest import (BUCKET, ROOT, namespaces_permitted, run_script, shakespeare_paragraphs, tagged_lines,
+                      tree_bytes, wikitext_articles, write_jsonl)
 from tokstream.object_store import S3Dataset
 from tokstream.testing.loopback_s3 import free_port
 from tokstream.testing.processes import kill_tree
@@ -252,11 +252,6 @@ def test_a_checkpoint_whose_upload_fails_never_becomes_the_newest(proxy, tmp_pat
 # files, the node's data cache and run_local: the node's disk, gone with the node), meeting by static
 # rendezvous on 127.0.0.1. The run is in S3, as for a cluster of preemptible nodes without a shared
 # filesystem; the test sees what a scheduler would: the processes and the store.
-def namespaces_permitted() -> bool:
-    return subprocess.run(["unshare", "--ipc", "--mount", "--propagation", "private", "true"],
-                          capture_output=True).returncode == 0
-
-
 CACHE_LIMIT = "data.cache_limit=300kb"  # under half the 700 kB dataset: streaming evicts, and must resume exactly
 
 
