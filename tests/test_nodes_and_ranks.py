@@ -1,6 +1,7 @@
 """Two nodes of two ranks each, reading through training's loader: the epoch's order is computed once per
-node (by its first rank, shared with the other through the node's shared memory), and every rank reads
-exactly its part of streaming's partition, over two epochs and after a resume on fresh caches.
+node (by its first rank, or that rank's first DataLoader worker, and shared with the others through
+the node's shared memory), and every rank reads exactly its part of streaming's partition, over two
+epochs in-process and after a resume on fresh caches with 2 DataLoader workers per rank.
 
 Each node runs in its own IPC and mount namespace with a /dev/shm of its own, as on separate
 machines; its ranks share it. The dataset is "remote" (a local directory), so each node copies the
@@ -32,11 +33,11 @@ from tokstream.train.config import DataConfig
 from tokstream.train.data import make_loader
 
 data, node_dir, resume_at, settings = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
-computed = []  # the epoch starts at which this process computed the node's order
 
 
 def counted(dataset, world, epoch, sample_in_epoch):
-    computed.append([epoch, sample_in_epoch])
+    with open(os.path.join(node_dir, "computed"), "a") as record:  # from a rank or a forked worker
+        record.write(json.dumps([os.environ["LOCAL_RANK"], os.getpid(), epoch, sample_in_epoch]) + "\n")
     return epoch_order.generate_work_random(dataset, world, epoch, sample_in_epoch)
 
 
@@ -44,8 +45,8 @@ internals.install_epoch_order(epoch_order.get_sampling_vectorized, epoch_order.g
 dist.init_process_group("gloo")
 
 
-def loader(cache):
-    config = DataConfig(remote=data, local=os.path.join(node_dir, cache), **settings)
+def loader(cache, workers):
+    config = DataConfig(remote=data, local=os.path.join(node_dir, cache), num_workers=workers, **settings)
     return make_loader(config, "train", 4, shuffle=True, pin_memory=False)
 
 
@@ -53,16 +54,16 @@ def epoch(batches):
     return [i for batch in batches for i in batch["ids"].tolist()]
 
 
-first = loader("cache")
+first = loader("cache", 0)
 epochs = [epoch(first), epoch(first)]
 del first
 gc.collect()
 dist.barrier()
-resumed = loader("relaunch-cache")  # a relaunch on a fresh disk
+resumed = loader("relaunch-cache", 2)  # a relaunch on a fresh disk, with workers
 resumed.load_state_dict({"epoch": 1, "sample_in_epoch": resume_at, "num_canonical_nodes": 2, "shuffle_seed": 9176,
                          "initial_physical_nodes": 2})
 epochs.append(epoch(resumed))
-print(json.dumps({"epochs": epochs, "computed": computed}), flush=True)
+print(json.dumps({"pid": os.getpid(), "epochs": epochs}), flush=True)
 """
 
 
@@ -81,21 +82,31 @@ def launch_node(node: int, port: int, dataset, node_dir) -> subprocess.Popen:
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE, text=True)
 
 
-def expected_parts(dataset, tmp_path) -> list[np.ndarray]:
-    """Streaming's partition of each epoch read, for 2 nodes x 2 ranks x 1 worker: (nodes, ranks, samples)."""
+def expected_reads(dataset, tmp_path) -> list[np.ndarray]:
+    """What each rank reads of each epoch, from streaming's partition for 2 nodes x 2 ranks x its workers."""
     from streaming import StreamingDataset
 
     from tokstream.train.streaming_internals import World, generate_work
 
     ds = StreamingDataset(remote=str(dataset), local=str(tmp_path / "expected"), split="train", shuffle=True,
                           shuffle_seed=9176, batch_size=BATCH, **SETTINGS)
-    world = World(NODES, RANKS, 1, 0)
-    parts = [generate_work(ds.batching_method, ds, world, 0, 0), generate_work(ds.batching_method, ds, world, 1, 0)]
+    parts = [generate_work(ds.batching_method, ds, World(NODES, RANKS, 1, 0), epoch, 0) for epoch in (0, 1)]
     ds.initial_physical_nodes = NODES  # as the checkpoint's state sets it
-    parts.append(generate_work(ds.batching_method, ds, world, 1, RESUME_AT))
+    parts.append(generate_work(ds.batching_method, ds, World(NODES, RANKS, 2, 0), 1, RESUME_AT))
     del ds
     gc.collect()
-    return [part[:, :, 0].reshape(NODES, RANKS, -1) for part in parts]
+    return [[[rank_reads(part[node, rank]) for rank in range(RANKS)] for node in range(NODES)] for part in parts]
+
+
+def rank_reads(workers_part: np.ndarray) -> list[int]:
+    """A rank's samples in a DataLoader's order: each worker's part without streaming's padding (-1) in
+    whole batches (drop_last), the workers' batches taken in turn until each has run out."""
+    batches = []
+    for part in workers_part:
+        ids = part[part != -1]
+        batches.append(ids[:len(ids) // BATCH * BATCH].reshape(-1, BATCH).tolist())
+    return [i for turn in range(max(map(len, batches))) for worker in batches if turn < len(worker)
+            for i in worker[turn]]
 
 
 @pytest.mark.skipif(not namespaces_permitted(), reason="namespaces are not permitted here (unshare --ipc --mount "
@@ -111,19 +122,19 @@ def test_two_nodes_of_two_ranks_compute_the_order_once_per_node_and_read_streami
     assert all(node.returncode == 0 for node in nodes), "\n".join(e[-3000:] for e in errors)
     reports = [[json.loads((node_dir / f"rank{r}.json").read_text()) for r in range(RANKS)] for node_dir in node_dirs]
 
-    for node in range(NODES):  # the first rank of each node computes each start's order, the other reuses it
-        assert reports[node][0]["computed"] == [[0, 0], [1, 0], [1, RESUME_AT]]
-        assert all(not reports[node][rank]["computed"] for rank in range(1, RANKS))
+    for node_dir, node_reports in zip(node_dirs, reports):
+        # one computation of each start's order per node: by its first rank, then by that rank's first worker
+        computed = [json.loads(line) for line in (node_dir / "computed").read_text().splitlines()]
+        assert [(rank, epoch, at) for rank, _, epoch, at in computed] == [("0", 0, 0), ("0", 1, 0), ("0", 1, RESUME_AT)]
+        rank_pid = node_reports[0]["pid"]
+        assert computed[0][1] == computed[1][1] == rank_pid != computed[2][1]
         for cache in ("cache", "relaunch-cache"):  # each node fetched shards into its own caches
-            assert list((node_dirs[node] / cache / "train").glob("shard.*.mds"))
-    for index, part in enumerate(expected_parts(dataset, tmp_path)):
+            assert list((node_dir / cache / "train").glob("shard.*.mds"))
+    for index, expected in enumerate(expected_reads(dataset, tmp_path)):
         read = []
         for node in range(NODES):
             for rank in range(RANKS):
-                ids = part[node, rank]
-                ids = ids[ids != -1]  # streaming's padding
-                expected = ids[:len(ids) // BATCH * BATCH].tolist()  # whole batches, as a DataLoader's drop_last
                 got = reports[node][rank]["epochs"][index]
-                assert got == expected, (index, node, rank)
+                assert got == expected[node][rank], (index, node, rank)
                 read += got
         assert len(read) == len(set(read)) > 1000  # no sample twice in an epoch across nodes and ranks
