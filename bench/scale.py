@@ -10,7 +10,9 @@ which the reader does not care about). For each rank count, that many processes 
 torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) and build the training
 loader as train/main.py does (tokstream/train/data.py, micro-batch 12, the epoch training uses: the
 split cut to whole steps of configs/gpt2-124m-owt.yaml's 480 samples), fresh or resumed at 10%, 50%
-and 90% of the epoch (streaming's state, as a checkpoint holds it).
+and 90% of the epoch (streaming's state, as a checkpoint holds it). The baseline, in the same run:
+stock StreamingDataset and StreamingDataLoader with the same settings, in processes that import
+nothing of the project, fresh and at 50%, once each (--no-stock skips it).
 
 Cutting the epoch makes streaming draw a fraction of the stream, which its `get_sampling` adds up
 in a Python loop per sample; the fence replaces it with an equal vectorized one
@@ -42,12 +44,17 @@ OWT_SAMPLES = 8_820_000
 BLOCK = 1024
 MICRO_BATCH = 12
 GLOBAL_BATCH = 480  # configs/gpt2-124m-owt.yaml
+STOCK_POSITIONS = (0.0, 0.5)  # stock's starts, once each (it takes seconds each)
 
 RANK_SCRIPT = r"""
 import json, os, resource, sys, time
 started = time.monotonic()
-from tokstream.train.config import DataConfig
-from tokstream.train.data import make_loader
+root, samples, position, micro_batch, reader = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+if reader == "project":
+    from tokstream.train.config import DataConfig
+    from tokstream.train.data import make_loader
+else:  # stock streaming: nothing of the project imported, so none of its replacements in force
+    from streaming import Stream, StreamingDataLoader, StreamingDataset
 if int(os.environ["WORLD_SIZE"]) > 1:  # as training does (distributed.py), before it builds its loader
     import torch.distributed
     torch.distributed.init_process_group("gloo")
@@ -55,9 +62,13 @@ print(json.dumps({"start_s": time.monotonic() - started,
                   "rss_imports_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
 sys.stdin.readline()  # every rank has imported: the reader's own time starts now, on all of them
 go = time.monotonic()
-root, samples, position = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-loader = make_loader(DataConfig(remote=root), "train", int(sys.argv[4]), shuffle=True, pin_memory=False,
-                     choose=[samples])
+if reader == "project":
+    loader = make_loader(DataConfig(remote=root), "train", micro_batch, shuffle=True, pin_memory=False,
+                         choose=[samples])
+else:  # the same settings as DataConfig's defaults
+    dataset = StreamingDataset(streams=[Stream(local=root, split="train", choose=samples)], shuffle=True,
+                               shuffle_seed=9176, num_canonical_nodes=1, batch_size=micro_batch)
+    loader = StreamingDataLoader(dataset, batch_size=micro_batch, num_workers=0, drop_last=True)
 if position:
     loader.load_state_dict({"epoch": 0, "sample_in_epoch": int(samples * position), "num_canonical_nodes": 1,
                             "shuffle_seed": 9176, "initial_physical_nodes": 1})
@@ -86,7 +97,7 @@ def shm_bytes() -> dict[str, int]:
     return {p.name: p.stat().st_size for p in Path("/dev/shm").iterdir() if p.is_file()}
 
 
-def run_ranks(root: Path, samples: int, ranks: int, position: float) -> tuple[list[dict], int]:
+def run_ranks(root: Path, samples: int, ranks: int, position: float, reader: str) -> tuple[list[dict], int]:
     """Start `ranks` processes together; their reports and the shared memory they added."""
     from tokstream.testing.loopback_s3 import free_port
 
@@ -97,8 +108,10 @@ def run_ranks(root: Path, samples: int, ranks: int, position: float) -> tuple[li
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
                    PYTHONPATH=str(ROOT))
+        if reader == "stock":  # stock's collate warns of the read-only arrays it gets, at every batch
+            env["PYTHONWARNINGS"] = "ignore::UserWarning"
         processes.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(root), str(samples),
-                                           str(position), str(MICRO_BATCH)], env=env, stdin=subprocess.PIPE,
+                                           str(position), str(MICRO_BATCH), reader], env=env, stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True))
     reports = [json.loads(process.stdout.readline()) for process in processes]  # imported
     for process in processes:
@@ -136,6 +149,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where the dataset is built (default: beside the clone)")
     parser.add_argument("--dataset", default=None, help="reuse a dataset this benchmark built (skips build, verify)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each start, one row each (the spread)")
+    parser.add_argument("--no-stock", dest="stock", action="store_false",
+                        help="skip the baseline: stock StreamingDataset and StreamingDataLoader, fresh and at 50%%")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(dir=args.workdir or ROOT.parent) as workdir:
@@ -152,24 +167,33 @@ def main() -> None:
             subprocess.run([sys.executable, str(ROOT / "convert/verify.py"), str(root)], check=True,
                            stdout=subprocess.DEVNULL)
             print(f"bin_to_mds.py {convert_s:.1f} s, verify.py {time.perf_counter() - started:.1f} s", flush=True)
-        print(f"\n{'ranks':>5} {'start':>6} {'start_s':>7} {'first_batch_s':>13} {'rss_imports_mb':>14} "
+        print(f"\n{'reader':>7} {'ranks':>5} {'start':>6} {'start_s':>7} {'first_batch_s':>13} {'rss_imports_mb':>14} "
               f"{'rss_peak_mb':>11} {'dataset_mb':>10} {'shm_node_kb':>11}")
-        worst_per_run: dict[int, list[float]] = {}
+        first_batch: dict[tuple[str, int, float], list[float]] = {}  # the slowest rank's, per run
         for ranks in args.ranks:
-            for position in [p for p in (0.0, 0.1, 0.5, 0.9) for _ in range(args.repeat)]:
-                reports, shm = run_ranks(root, epoch, ranks, position)
+            runs = [("project", p) for p in (0.0, 0.1, 0.5, 0.9) for _ in range(args.repeat)]
+            runs += [("stock", p) for p in STOCK_POSITIONS] if args.stock else []
+            for reader, position in runs:
+                reports, shm = run_ranks(root, epoch, ranks, position, reader)
                 worst = max(reports, key=lambda r: r["first_batch_s"])
-                worst_per_run.setdefault(ranks, []).append(worst["first_batch_s"])
                 fattest = max(reports, key=lambda r: r["rss_peak_mb"] - r["rss_imports_mb"])
+                first_batch.setdefault((reader, ranks, position), []).append(worst["first_batch_s"])
                 where = "fresh" if not position else f"{position:.0%}"
-                print(f"{ranks:>5} {where:>6} {max(r['start_s'] for r in reports):7.2f} "
+                print(f"{reader:>7} {ranks:>5} {where:>6} {max(r['start_s'] for r in reports):7.2f} "
                       f"{worst['first_batch_s']:13.2f} {fattest['rss_imports_mb']:14.0f} {fattest['rss_peak_mb']:11.0f} "
                       f"{fattest['rss_peak_mb'] - fattest['rss_imports_mb']:10.0f} {shm / 1024:11.1f}", flush=True)
         print()
-        for ranks, seconds in worst_per_run.items():
+        for ranks in args.ranks:
+            seconds = [s for (reader, r, _), runs in first_batch.items() if reader == "project" and r == ranks
+                       for s in runs]
             print(f"{ranks} rank(s), first_batch_s of the slowest rank over {len(seconds)} runs: min {min(seconds):.2f} "
                   f"median {np.median(seconds):.2f} max {max(seconds):.2f}, under 1 s in "
                   f"{sum(s < 1 for s in seconds)}/{len(seconds)}")
+            if args.stock:
+                ratios = [f"{'fresh' if not p else f'{p:.0%}'}="
+                          f"{np.median(first_batch['project', ranks, p]) / first_batch['stock', ranks, p][0]:.3f}"
+                          for p in STOCK_POSITIONS]
+                print(f"  ratio_project_vs_stock first batch (project's median run): {' '.join(ratios)}")
         # Last: the parent's memory would otherwise be the ranks' starting peak RSS (inherited at fork).
         print("\n" + sampling_times(root, epoch), flush=True)
     print("worst rank shown; goals: first_batch_s < 1, dataset_mb <= 300 per rank")
