@@ -49,7 +49,8 @@ STOCK_POSITIONS = (0.0, 0.5)  # stock's starts, once each (it takes seconds each
 RANK_SCRIPT = r"""
 import json, os, resource, sys, time
 started = time.monotonic()
-root, samples, position, micro_batch, reader = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+root, samples, position, micro_batch, reader = (sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]),
+                                                sys.argv[5])
 if reader == "project":
     from tokstream.train.config import DataConfig
     from tokstream.train.data import make_loader
@@ -125,6 +126,10 @@ def run_ranks(root: Path, samples: int, ranks: int, position: float, reader: str
     return reports, added
 
 
+def start_name(position: float) -> str:
+    return "fresh" if not position else f"{position:.0%}"
+
+
 def sampling_times(root: Path, epoch: int) -> str:
     """streaming's get_sampling against the fence's, on this dataset's shard sizes, for the cut epoch."""
     from tokstream.train.epoch_order import get_sampling_vectorized
@@ -178,19 +183,19 @@ def main() -> None:
                 worst = max(reports, key=lambda r: r["first_batch_s"])
                 fattest = max(reports, key=lambda r: r["rss_peak_mb"] - r["rss_imports_mb"])
                 first_batch.setdefault((reader, ranks, position), []).append(worst["first_batch_s"])
-                where = "fresh" if not position else f"{position:.0%}"
-                print(f"{reader:>7} {ranks:>5} {where:>6} {max(r['start_s'] for r in reports):7.2f} "
-                      f"{worst['first_batch_s']:13.2f} {fattest['rss_imports_mb']:14.0f} {fattest['rss_peak_mb']:11.0f} "
+                print(f"{reader:>7} {ranks:>5} {start_name(position):>6} {max(r['start_s'] for r in reports):7.2f} "
+                      f"{worst['first_batch_s']:13.2f} {fattest['rss_imports_mb']:14.0f} "
+                      f"{fattest['rss_peak_mb']:11.0f} "
                       f"{fattest['rss_peak_mb'] - fattest['rss_imports_mb']:10.0f} {shm / 1024:11.1f}", flush=True)
         print()
         for ranks in args.ranks:
-            seconds = [s for (reader, r, _), runs in first_batch.items() if reader == "project" and r == ranks
-                       for s in runs]
-            print(f"{ranks} rank(s), first_batch_s of the slowest rank over {len(seconds)} runs: min {min(seconds):.2f} "
-                  f"median {np.median(seconds):.2f} max {max(seconds):.2f}, under 1 s in "
+            seconds = [s for (reader, r, _), each in first_batch.items() if reader == "project" and r == ranks
+                       for s in each]
+            print(f"{ranks} rank(s), first_batch_s of the slowest rank over {len(seconds)} runs: "
+                  f"min {min(seconds):.2f} median {np.median(seconds):.2f} max {max(seconds):.2f}, under 1 s in "
                   f"{sum(s < 1 for s in seconds)}/{len(seconds)}")
             if args.stock:
-                ratios = [f"{'fresh' if not p else f'{p:.0%}'}="
+                ratios = [f"{start_name(p)}="
                           f"{np.median(first_batch['project', ranks, p]) / first_batch['stock', ranks, p][0]:.3f}"
                           for p in STOCK_POSITIONS]
                 print(f"  ratio_project_vs_stock first batch (project's median run): {' '.join(ratios)}")

@@ -32,7 +32,8 @@ from tokstream.train import epoch_order, streaming_internals as internals
 from tokstream.train.config import DataConfig
 from tokstream.train.data import make_loader
 
-data, node_dir, resume_at, settings = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+data, node_dir, batch, resume_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+settings = json.loads(sys.argv[5])
 
 
 def counted(dataset, world, epoch, sample_in_epoch):
@@ -47,11 +48,11 @@ dist.init_process_group("gloo")
 
 def loader(cache, workers):
     config = DataConfig(remote=data, local=os.path.join(node_dir, cache), num_workers=workers, **settings)
-    return make_loader(config, "train", 4, shuffle=True, pin_memory=False)
+    return make_loader(config, "train", batch, shuffle=True, pin_memory=False)
 
 
 def epoch(batches):
-    return [i for batch in batches for i in batch["ids"].tolist()]
+    return [i for item in batches for i in item["ids"].tolist()]
 
 
 first = loader("cache", 0)
@@ -74,7 +75,8 @@ def launch_node(node: int, port: int, dataset, node_dir) -> subprocess.Popen:
         env = dict(RANK=node * RANKS + local_rank, LOCAL_RANK=local_rank, WORLD_SIZE=NODES * RANKS,
                    LOCAL_WORLD_SIZE=RANKS, NODE_RANK=node, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                    TMPDIR=node_dir, OMP_NUM_THREADS=1)
-        args = [sys.executable, "-c", RANK_SCRIPT, str(dataset), str(node_dir), str(RESUME_AT), json.dumps(SETTINGS)]
+        args = [sys.executable, "-c", RANK_SCRIPT, str(dataset), str(node_dir), str(BATCH), str(RESUME_AT),
+                json.dumps(SETTINGS)]
         out = node_dir / f"rank{local_rank}.json"
         ranks.append(f"env {' '.join(f'{k}={v}' for k, v in env.items())} {shlex.join(args)} > {out} &")
     script = f"mount -t tmpfs node-shm /dev/shm && {' '.join(ranks)} wait"

@@ -37,8 +37,8 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
-import streaming
 from filelock import FileLock
+import streaming
 import streaming.base.batching as streaming_batching_module
 from streaming.base.batching import generate_work  # noqa: F401  (tests)
 import streaming.base.dataset as streaming_dataset_module
