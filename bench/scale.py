@@ -24,6 +24,10 @@ apart, and streaming's start-up waits for all of them) to its first batch, which
 loader, the epoch's order and the first read; and its peak RSS, after imports and after the first
 batch (the dataset's share is the difference).
 The node's shared memory is what /dev/shm holds for the job while every rank has its first batch.
+
+On AMD Zen 4 the project's ranks sort with numpy's AVX2 kernel, as training does (tokstream/cpu_dispatch.py),
+and stock's with numpy's own choice; `NPY_DISABLE_CPU_FEATURES= python bench/scale.py` measures both
+with numpy's own choice.
 """
 
 import argparse
@@ -40,6 +44,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
+from tokstream.cpu_dispatch import VARIABLE, is_zen4  # noqa: E402
+
 OWT_SAMPLES = 8_820_000
 BLOCK = 1024
 MICRO_BATCH = 12
@@ -52,6 +58,8 @@ started = time.monotonic()
 root, samples, position, micro_batch, reader = (sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]),
                                                 sys.argv[5])
 if reader == "project":
+    from tokstream.cpu_dispatch import prefer_avx2_sort
+    prefer_avx2_sort()  # as train/main.py does first
     from tokstream.train.config import DataConfig
     from tokstream.train.data import make_loader
 else:  # stock streaming: nothing of the project imported, so none of its replacements in force
@@ -126,6 +134,14 @@ def run_ranks(root: Path, samples: int, ranks: int, position: float, reader: str
     return reports, added
 
 
+def numpy_sort() -> str:
+    if VARIABLE in os.environ:
+        return f"numpy's kernels: as {VARIABLE}={os.environ[VARIABLE]!r} says, in every reader"
+    if is_zen4(Path("/proc/cpuinfo").read_text()):
+        return "numpy's sort: AVX2 in the project's ranks (AMD Zen 4: tokstream/cpu_dispatch.py), AVX-512 in stock's"
+    return "numpy's sort: numpy's own choice in every reader"
+
+
 def start_name(position: float) -> str:
     return "fresh" if not position else f"{position:.0%}"
 
@@ -166,7 +182,7 @@ def main() -> None:
         samples = json.loads((root / "metadata.json").read_text())["splits"]["train"]["samples"]
         epoch = samples // GLOBAL_BATCH * GLOBAL_BATCH
         print(f"dataset: {samples:,} samples of {BLOCK + 1} tokens, {len(list((root / 'train').glob('shard.*')))} "
-              f"shards; epochs of {epoch:,} (whole steps of {GLOBAL_BATCH})", flush=True)
+              f"shards; epochs of {epoch:,} (whole steps of {GLOBAL_BATCH})\n{numpy_sort()}", flush=True)
         if not args.dataset:
             started = time.perf_counter()
             subprocess.run([sys.executable, str(ROOT / "convert/verify.py"), str(root)], check=True,

@@ -13,6 +13,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
+from tokstream.cpu_dispatch import prefer_avx2_sort  # noqa: E402
+
+prefer_avx2_sort()  # before anything imports numpy, which chooses its kernels once (AMD Zen 4 only)
+
 from tokstream.errors import run_cli  # noqa: E402
 
 INTERRUPTED = "interrupted: stopped without a checkpoint; relaunching resumes from the newest one in run_dir"

@@ -1,0 +1,86 @@
+"""numpy's AVX2 sort on AMD Zen 4 (tokstream/cpu_dispatch.py): which CPUs, and what numpy then uses."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokstream.cpu_dispatch import VARIABLE, is_zen4
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpuinfo(vendor: str, family: int, flags: str) -> str:
+    """The first processor's block of /proc/cpuinfo, and the start of a second."""
+    return (f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 17\n"
+            f"flags\t\t: fpu sse2 avx2 {flags}\n\nprocessor\t: 1\nvendor_id\t: {vendor}\n")
+
+
+ZEN4 = cpuinfo("AuthenticAMD", 25, "avx512f avx512bw avx512vl")
+
+
+@pytest.mark.parametrize("text, expected", [
+    (ZEN4, True),
+    (cpuinfo("AuthenticAMD", 25, "vaes"), False),  # Zen 3: the same family, no AVX-512
+    (cpuinfo("AuthenticAMD", 26, "avx512f avx512bw"), False),  # Zen 5: its AVX-512 sort is fast
+    (cpuinfo("GenuineIntel", 6, "avx512f avx512bw"), False),  # Sapphire Rapids
+    (cpuinfo("AuthenticAMD", 25, "avx512fx"), False),  # a flag is a whole word
+    ("", False),
+])
+def test_zen4_is_amd_family_0x19_with_avx512(text, expected):
+    assert is_zen4(text) is expected
+
+
+def numpy_after(cpu: str, feature: str | None = None, **env: str) -> dict:
+    """In a fresh interpreter: prefer_avx2_sort() given this cpuinfo (and FEATURE, if given), then
+    numpy's AVX-512 state and the variable, as the process sees them."""
+    script = ("import json, os\nfrom tokstream import cpu_dispatch\n"
+              + (f"cpu_dispatch.FEATURE = {feature!r}\n" if feature else "")
+              + f"changed = cpu_dispatch.prefer_avx2_sort({cpu!r})\n"
+              "import numpy as np\nfrom numpy._core._multiarray_umath import __cpu_features__\n"
+              "assert np.sort(np.arange(100)[::-1])[0] == 0\n"
+              f"print(json.dumps({{'changed': changed, 'variable': os.environ.get({VARIABLE!r}),"
+              " 'avx512f': __cpu_features__['AVX512F']}))\n")
+    clean = {name: value for name, value in os.environ.items() if name != VARIABLE}
+    done = subprocess.run([sys.executable, "-c", script], env={**clean, "PYTHONPATH": str(ROOT), **env},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_on_zen4_numpy_is_imported_without_its_avx512_kernels():
+    assert numpy_after(ZEN4) == {"changed": True, "variable": "AVX512F", "avx512f": False}
+
+
+def test_elsewhere_numpy_keeps_its_own_choice():
+    intel = numpy_after(cpuinfo("GenuineIntel", 6, "avx512f"))
+    assert intel["changed"] is False and intel["variable"] is None
+    assert intel["avx512f"] == ("avx512f" in Path("/proc/cpuinfo").read_text().split())  # this machine's
+
+
+def test_a_variable_the_user_set_even_empty_is_left_as_it_is():
+    assert numpy_after(ZEN4, **{VARIABLE: ""})["variable"] == ""
+    chosen = numpy_after(ZEN4, **{VARIABLE: "AVX512_ICL"})
+    assert chosen["changed"] is False and chosen["variable"] == "AVX512_ICL"
+
+
+def test_a_numpy_that_refuses_to_leave_a_feature_out_is_imported_as_it_is():
+    # SSE2 stands for AVX-512 in a numpy built to require it: every x86-64 numpy requires SSE2,
+    # and refuses (a RuntimeError on import) to leave out what it requires.
+    refused = numpy_after(ZEN4, feature="SSE2")
+    assert refused["changed"] is False and refused["variable"] is None
+    assert refused["avx512f"] == ("avx512f" in Path("/proc/cpuinfo").read_text().split())
+
+
+def test_training_chooses_before_anything_imports_numpy():
+    # train/main.py's imports, then whether numpy was loaded by the time prefer_avx2_sort() runs
+    script = (f"import sys, runpy\nsys.argv = [{str(ROOT / 'train/main.py')!r}]\n"
+              "from tokstream import cpu_dispatch\nreal = cpu_dispatch.prefer_avx2_sort\n"
+              "cpu_dispatch.prefer_avx2_sort = lambda: print('numpy' in sys.modules) or real()\n"
+              f"runpy.run_path({str(ROOT / 'train/main.py')!r}, run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True)
+    assert done.stdout.splitlines()[0] == "False", done.stdout + done.stderr

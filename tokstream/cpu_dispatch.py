@@ -1,0 +1,55 @@
+"""numpy's sort on AMD Zen 4: its AVX2 kernel, not its AVX-512 one, which is 4-5 times slower there.
+
+numpy sorts 32- and 64-bit numbers with x86-simd-sort, whose AVX-512 kernel it picks wherever the
+CPU has AVX-512. Zen 4 (AMD family 0x19 with AVX-512) runs that kernel's compress-stores to memory
+in microcode: 8.8 M int64 took 0.57 s to sort on this project's Zen 4 machine, 0.11 s with the AVX2
+kernel. That sort is most of what every rank waits for before its first batch, at each start and
+each epoch (the epoch order, tokstream/train/epoch_order.py; bench/scale.py).
+
+numpy chooses its kernels once, when it is imported, from NPY_DISABLE_CPU_FEATURES. So training's
+entry point calls `prefer_avx2_sort()` before anything imports numpy, which sets the variable to
+AVX512F on Zen 4 only, and only where it is unset: set it yourself, even to nothing, to choose.
+numpy's other AVX-512 loops then run as AVX2, which Zen 4 executes at the same width (it splits
+512-bit operations in two). Zen 5 (family 0x1A) and Intel run the AVX-512 sort fast: left alone.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+VARIABLE = "NPY_DISABLE_CPU_FEATURES"
+FEATURE = "AVX512F"  # every AVX-512 kernel of numpy's requires it
+ZEN_3_AND_4_FAMILY = 0x19  # Zen 3 has no AVX-512
+
+
+def prefer_avx2_sort(cpuinfo: str | None = None) -> bool:
+    """On AMD Zen 4, import numpy without its AVX-512 kernels, unless the user chose; whether it did.
+
+    Call it before anything imports numpy. A numpy built to require AVX-512 refuses to leave them out
+    (a RuntimeError on import): then the variable is removed again and numpy imported as it is."""
+    if VARIABLE in os.environ or "numpy" in sys.modules:
+        return False
+    if not is_zen4(Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo):
+        return False
+    os.environ[VARIABLE] = FEATURE
+    try:
+        import numpy  # noqa: F401  (numpy reads the variable here, once)
+    except RuntimeError:
+        del os.environ[VARIABLE]
+        for name in [name for name in sys.modules if name == "numpy" or name.startswith("numpy.")]:
+            del sys.modules[name]
+        import numpy  # noqa: F401, F811
+        return False
+    return True
+
+
+def is_zen4(cpuinfo: str) -> bool:
+    """Whether /proc/cpuinfo's text describes AMD Zen 4: family 0x19 with AVX-512."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block will do: a machine's cores are alike
+        name, _, value = line.partition(":")
+        fields[name.strip()] = value.strip()
+    return (fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == str(ZEN_3_AND_4_FAMILY)
+            and "avx512f" in fields.get("flags", "").split())
