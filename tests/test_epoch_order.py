@@ -54,17 +54,18 @@ def shuffled_with_warnings(shuffle, args) -> tuple[np.ndarray, int]:
         return shuffle(*args), len(warned)
 
 
-@pytest.mark.parametrize("fraction_bits, min_fraction_bits, sort_run", [
-    (epoch_order.MAX_FRACTION_BITS, epoch_order.MIN_FRACTION_BITS, epoch_order.SORT_RUN),  # one run a node here
-    (epoch_order.MAX_FRACTION_BITS, epoch_order.MIN_FRACTION_BITS, 1),  # a run a span, merged
-    (2, 0, 5000), (0, 0, 1),  # equal keys in most runs, across runs
-    (3, 4, 1)])  # too few bits: the argsort
+@pytest.mark.parametrize("fraction_bits, min_fraction_bits, sort_run, chunk", [
+    (epoch_order.MAX_FRACTION_BITS, epoch_order.MIN_FRACTION_BITS, epoch_order.SORT_RUN, epoch_order.CHUNK),
+    (epoch_order.MAX_FRACTION_BITS, epoch_order.MIN_FRACTION_BITS, 1, epoch_order.CHUNK),  # a run a span, merged
+    (2, 0, 5000, 7), (0, 0, 1, 3),  # equal keys in most runs, across runs and across chunks of the equal-keys pass
+    (3, 4, 1, epoch_order.CHUNK)])  # too few bits: the argsort
 def test_the_fast_py1e_shuffle_is_streamings_and_is_the_one_in_force(monkeypatch, fraction_bits, min_fraction_bits,
-                                                                     sort_run):
+                                                                     sort_run, chunk):
     assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_fast, generate_work_random)
     monkeypatch.setattr(epoch_order, "MAX_FRACTION_BITS", fraction_bits)
     monkeypatch.setattr(epoch_order, "MIN_FRACTION_BITS", min_fraction_bits)
     monkeypatch.setattr(epoch_order, "SORT_RUN", sort_run)
+    monkeypatch.setattr(epoch_order, "CHUNK", chunk)
     rng = np.random.default_rng(fraction_bits)
     for _ in range(60 if min_fraction_bits <= fraction_bits else 10):
         args = random_shuffle_args(rng)
@@ -76,9 +77,11 @@ def test_the_fast_py1e_shuffle_is_streamings_and_is_the_one_in_force(monkeypatch
         get_shuffle_py1e_fast(np.array([1], dtype=np.int64), 2, 0, 0)
 
 
-def test_samples_at_exactly_equal_positions_take_the_order_of_stocks_own_argsort(monkeypatch):
+@pytest.mark.parametrize("chunk", [epoch_order.CHUNK, 1, 2, 3])
+def test_samples_at_exactly_equal_positions_take_the_order_of_stocks_own_argsort(monkeypatch, chunk):
     """Two equal float positions: stock's unstable argsort decides their order, so the fast shuffle
     recognises them and hands the epoch to that argsort; unequal ones in a run of equal keys it orders."""
+    monkeypatch.setattr(epoch_order, "CHUNK", chunk)
     id_bits, positions = 3, np.array([0.5, 2.25, 2.0, 2.75, 7.0, 2.25])  # by sample id
     keys = np.sort([(int(p) << id_bits) | i for i, p in enumerate(positions)])  # whole positions only
     assert not epoch_order.order_equal_keys(keys.copy(), positions, id_bits)  # ids 1 and 5 are at 2.25

@@ -173,14 +173,19 @@ def sort_threads() -> int:
 def order_equal_keys(keys: np.ndarray, positions: np.ndarray, id_bits: int) -> bool:
     """In sorted (fixed-point position, id) keys, put each run of equal fixed-point positions in the
     order of the samples' float positions; False, leaving the keys unfinished, if two are equal."""
-    same = [np.flatnonzero(np.diff(keys[at:at + CHUNK + 1] >> id_bits) == 0) + at
-            for at in range(0, max(len(keys) - 1, 0), CHUNK)]
+    # Sorted and distinct, so a key's fixed-point position equals the previous key's when the key is
+    # at most the previous one with every id bit set: one comparison, no shifted copies.
+    id_mask = (1 << id_bits) - 1
+    same = []
+    for at in range(0, len(keys) - 1, CHUNK):
+        end = min(at + CHUNK, len(keys) - 1)
+        same.append(np.flatnonzero(keys[at + 1:end + 1] <= (keys[at:end] | id_mask)) + at)
     same = np.concatenate(same) if same else np.empty(0, np.int64)
     if not len(same):
         return True
     members = np.union1d(same, same + 1)  # every key in a run, in order
     run_keys = keys[members]
-    fixed, exact = run_keys >> id_bits, positions[run_keys & ((1 << id_bits) - 1)]
+    fixed, exact = run_keys >> id_bits, positions[run_keys & id_mask]
     order = np.lexsort((exact, fixed))
     fixed, exact = fixed[order], exact[order]
     if np.any((fixed[1:] == fixed[:-1]) & (exact[1:] == exact[:-1])):
