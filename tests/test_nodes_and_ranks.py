@@ -1,7 +1,9 @@
-"""Two nodes of two ranks each, reading through training's loader: the epoch's order is computed once per
-node (by its first rank, or that rank's first DataLoader worker, and shared with the others through
-the node's shared memory), and every rank reads exactly its part of streaming's partition, over two
-epochs in-process and after a resume on fresh caches with 2 DataLoader workers per rank.
+"""Two nodes of two ranks each. Through training's loader: the epoch's order is computed once per node
+(by its first rank, or that rank's first DataLoader worker, and shared with the others through the
+node's shared memory), and every rank reads exactly its part of streaming's partition, over two
+epochs in-process and after a resume on fresh caches with 2 DataLoader workers per rank. Through
+training itself (train/main.py under one torchrun per node): a preemption notice to one node stops
+all four ranks at the same step, and the relaunched job trains on an uninterrupted run's samples.
 
 Each node runs in its own IPC and mount namespace with a /dev/shm of its own, as on separate
 machines; its ranks share it. The dataset is "remote" (a local directory), so each node copies the
@@ -12,14 +14,18 @@ import gc
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import test_training as training
 from conftest import ROOT, namespaces_permitted
 
 from tokstream.testing.loopback_s3 import free_port
+from tokstream.train.checkpoint import latest_step
+from tokstream.train.run_store import LocalRunStore
 
 NODES, RANKS, BATCH = 2, 2, 4
 SETTINGS = dict(num_canonical_nodes=2, shuffle_block_size=1000)
@@ -111,8 +117,11 @@ def rank_reads(workers_part: np.ndarray) -> list[int]:
             for i in worker[turn]]
 
 
-@pytest.mark.skipif(not namespaces_permitted(), reason="namespaces are not permitted here (unshare --ipc --mount "
-                    "failed): several nodes on one machine need root or user namespaces")
+SEVERAL_NODES = pytest.mark.skipif(not namespaces_permitted(), reason="namespaces are not permitted here (unshare "
+                                   "--ipc --mount failed): several nodes on one machine need root or user namespaces")
+
+
+@SEVERAL_NODES
 def test_two_nodes_of_two_ranks_compute_the_order_once_per_node_and_read_streamings_partition(dataset, tmp_path):
     port = free_port()
     node_dirs = [tmp_path / f"node{node}" for node in range(NODES)]
@@ -140,3 +149,56 @@ def test_two_nodes_of_two_ranks_compute_the_order_once_per_node_and_read_streami
                 assert got == expected[node][rank], (index, node, rank)
                 read += got
         assert len(read) == len(set(read)) > 1000  # no sample twice in an epoch across nodes and ranks
+
+
+def launch_training_node(node: int, port: int, dataset, run_dir, node_dir) -> subprocess.Popen:
+    """One node's torchrun with two ranks, on a disk of its own (node_dir: data cache, run_local,
+    TMPDIR) and its own /dev/shm; run_dir is shared, as a run's storage must be. The process is
+    torchrun itself (unshare and sh exec it), so a signal to it is a signal to the node's agent."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--node_rank={node}",
+                f"--nproc_per_node={RANKS}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                str(ROOT / "train/main.py"), *training.BASE, f"data.remote={dataset}", f"run_dir={run_dir}",
+                f"data.local={node_dir / 'cache'}", f"run_local={node_dir / 'run'}",
+                "micro_batch_size=2"]  # 4 ranks x 2 samples: the reference's global batch of 8 (2 ranks x 4)
+    (node_dir / "tmp").mkdir(parents=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(node_dir / "tmp"))
+    return subprocess.Popen(["unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c",
+                             f"mount -t tmpfs node-shm /dev/shm && exec {shlex.join(torchrun)}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.long
+@SEVERAL_NODES
+def test_training_on_two_nodes_of_two_ranks_stops_together_and_resumes_on_the_reference_samples(reference, dataset,
+                                                                                               tmp_path):
+    """A notice (SIGTERM) to node 1's torchrun: all four ranks checkpoint at the same step, and both
+    agents exit at once with the status a scheduler requeues on. Relaunched on fresh disks, the job
+    finishes; at every step the four ranks took exactly the samples of an uninterrupted run of one
+    node of two ranks (the same global batch, split 4 x 2 instead of 2 x 4), with its losses."""
+    run_dir = tmp_path / "run"
+    store = LocalRunStore(run_dir)
+
+    def job(launch: str) -> list[subprocess.Popen]:
+        port = free_port()
+        return [launch_training_node(node, port, dataset, run_dir, tmp_path / launch / f"node{node}")
+                for node in range(NODES)]
+
+    nodes = job("first")
+    training.wait_for(lambda: (latest_step(store) or 0) >= 4)
+    nodes[1].send_signal(signal.SIGTERM)
+    outputs = [node.communicate(timeout=120)[0] for node in nodes]  # both end, not only the signalled one
+    assert all(node.returncode != 0 for node in nodes), "\n".join(o[-2000:] for o in outputs)
+    assert "preempted (signal to another rank)" in outputs[0], outputs[0][-3000:]
+    stopped = len(training.metrics(run_dir))
+    assert 4 <= stopped < training.STEPS and latest_step(store) == stopped  # every rank saved at the step they stopped
+
+    nodes = job("relaunch")
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(o[-3000:] for o in outputs)
+    assert f"resumed from {run_dir}/ckpt-{stopped:08d}.pt at step {stopped}" in outputs[0], outputs[0][-3000:]
+    steps = training.metrics(run_dir)
+    assert [m["step"] for m in steps] == list(range(1, training.STEPS + 1))
+    for got, (step, samples, loss, lr) in zip(steps, reference):
+        assert len(got["samples"]) == NODES * RANKS
+        assert sorted(sum(got["samples"], [])) == sorted(samples[0] + samples[1]), step
+        assert got["loss"] == pytest.approx(loss, rel=1e-4) and got["lr"] == lr
