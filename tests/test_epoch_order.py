@@ -114,12 +114,14 @@ def mds_streams(tmp_path_factory) -> list[str]:
     return roots
 
 
-def test_the_lean_random_batching_is_streamings_and_is_the_one_in_force(mds_streams):
+@pytest.mark.parametrize("chunk", [epoch_order.CHUNK, 97])  # 97: the lookups in many chunks, on threads
+def test_the_lean_random_batching_is_streamings_and_is_the_one_in_force(mds_streams, monkeypatch, chunk):
     """The whole epoch's order as the local leader computes it (nodes, ranks, workers, batches), for mixtures
     weighted each way, every shuffle algorithm and none, resumed anywhere, on several nodes."""
     from streaming import Stream, StreamingDataset
 
     assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_fast, generate_work_random)
+    monkeypatch.setattr(epoch_order, "CHUNK", chunk)
     mixtures = [dict(local=mds_streams[2]),
                 dict(streams=[Stream(local=root, proportion=p) for root, p in zip(mds_streams, (0.5, 0.2, 0.3))],
                      epoch_size=901),

@@ -133,7 +133,7 @@ def get_shuffle_py1e_fast(shard_sizes: np.ndarray, num_canonical_nodes: int, see
     positions = np.empty(num_samples, np.float64)  # by sample id
     scale = float(1 << fraction_bits)
     offset, unshuffled_spans = 0, False
-    with ThreadPoolExecutor(sort_threads()) as pool:
+    with ThreadPoolExecutor(helper_threads()) as pool:
         for node_begin, node_end in node_spans:
             node_sizes = [end - begin for begin, end in spans[node_begin:node_end]]
             node = ids[offset:offset + sum(node_sizes)]
@@ -164,9 +164,10 @@ def get_shuffle_py1e_fast(shard_sizes: np.ndarray, num_canonical_nodes: int, see
     return ids
 
 
-def sort_threads() -> int:
-    """Threads for sorting runs: the cores this process may use, a few at most (numpy's sort lets go
-    of the GIL; past 4 the runs' sorts are no longer what the shuffle waits on)."""
+def helper_threads() -> int:
+    """Threads for the passes over an epoch-sized array (sorting runs, lookups): the cores this process
+    may use, a few at most (numpy's sort and take let go of the GIL; past 4 the runs' sorts are no
+    longer what the shuffle waits on)."""
     return min(4, len(os.sched_getaffinity(0)))  # Linux, as the project
 
 
@@ -279,16 +280,21 @@ def resampled_sample_ids(dataset, epoch: int, shards: list[tuple[int, int, int]]
 
 
 def _look_up_in_place(indices: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """`table[indices]` where indices are not -1 (the partition's padding, kept), written over indices."""
+    """`table[indices]` where indices are not -1 (the partition's padding, kept), written over indices,
+    a chunk per thread (random reads: they wait on memory, not on a core)."""
     flat = indices.ravel(order="K")  # elementwise, so memory order will do: a view of a transposed partition
     if not np.shares_memory(flat, indices):
         indices = np.ascontiguousarray(indices)
         flat = indices.reshape(-1)
-    for at in range(0, len(flat), CHUNK):
+
+    def look_up(at: int) -> None:
         chunk = flat[at:at + CHUNK]
         padding = np.flatnonzero(chunk == -1)
         np.take(table, chunk, out=chunk, mode="wrap")  # each index is read before its place is written
         chunk[padding] = -1
+
+    with ThreadPoolExecutor(helper_threads()) as pool:
+        list(pool.map(look_up, range(0, len(flat), CHUNK)))  # list: a chunk's error is raised here
     return indices
 
 
