@@ -34,11 +34,13 @@ def test_zen4_is_amd_family_0x19_with_avx512(text, expected):
     assert is_zen4(text) is expected
 
 
-def numpy_after(cpu: str, feature: str | None = None, **env: str) -> dict:
-    """In a fresh interpreter: prefer_avx2_sort() given this cpuinfo (and FEATURE, if given), then
-    numpy's AVX-512 state and the variable, as the process sees them."""
-    script = ("import json, os\nfrom tokstream import cpu_dispatch\n"
+def numpy_after(cpu: str | None, feature: str | None = None, **env: str) -> dict:
+    """In a fresh interpreter: prefer_avx2_sort() given this cpuinfo (None: a machine without
+    /proc/cpuinfo) and FEATURE, if given; then numpy's AVX-512 state and the variable, as the
+    process sees them."""
+    script = ("import json, os, pathlib\nfrom tokstream import cpu_dispatch\n"
               + (f"cpu_dispatch.FEATURE = {feature!r}\n" if feature else "")
+              + ("cpu_dispatch.CPUINFO = pathlib.Path('/nonexistent/cpuinfo')\n" if cpu is None else "")
               + f"changed = cpu_dispatch.prefer_avx2_sort({cpu!r})\n"
               "import numpy as np\nfrom numpy._core._multiarray_umath import __cpu_features__\n"
               "assert np.sort(np.arange(100)[::-1])[0] == 0\n"
@@ -59,6 +61,11 @@ def test_elsewhere_numpy_keeps_its_own_choice():
     intel = numpy_after(cpuinfo("GenuineIntel", 6, "avx512f"))
     assert intel["changed"] is False and intel["variable"] is None
     assert intel["avx512f"] == ("avx512f" in Path("/proc/cpuinfo").read_text().split())  # this machine's
+
+
+def test_without_a_readable_cpuinfo_numpy_keeps_its_own_choice():
+    unknown = numpy_after(None)
+    assert unknown["changed"] is False and unknown["variable"] is None
 
 
 def test_a_variable_the_user_set_even_empty_is_left_as_it_is():

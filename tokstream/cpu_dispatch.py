@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 VARIABLE = "NPY_DISABLE_CPU_FEATURES"
+CPUINFO = Path("/proc/cpuinfo")
 FEATURE = "AVX512F"  # every AVX-512 kernel of numpy's requires it
 ZEN_3_AND_4_FAMILY = 0x19  # Zen 3 has no AVX-512
 
@@ -29,7 +30,12 @@ def prefer_avx2_sort(cpuinfo: str | None = None) -> bool:
     (a RuntimeError on import): then the variable is removed again and numpy imported as it is."""
     if VARIABLE in os.environ or "numpy" in sys.modules:
         return False
-    if not is_zen4(Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo):
+    if cpuinfo is None:
+        try:
+            cpuinfo = CPUINFO.read_text()
+        except OSError:  # a sandbox without /proc: numpy's own choice, rather than no training
+            return False
+    if not is_zen4(cpuinfo):
         return False
     os.environ[VARIABLE] = FEATURE
     try:
