@@ -193,11 +193,32 @@ def reference(dataset, tmp_path_factory) -> list[tuple]:
     """(step, per-rank sample ids, loss, lr) of an uninterrupted 2-rank run of test_training's BASE."""
     import test_training as training
 
-    run_dir = tmp_path_factory.mktemp("reference")
-    training.train(2, dataset, run_dir)
-    steps = training.trained_steps(run_dir)
+    def run() -> list[tuple]:
+        run_dir = tmp_path_factory.mktemp("reference")
+        training.train(2, dataset, run_dir)
+        return training.trained_steps(run_dir)
+
+    steps = [tuple(step) for step in once_per_test_run(tmp_path_factory, "reference", run)]
     assert [s[0] for s in steps] == list(range(1, training.STEPS + 1))
     return steps
+
+
+def once_per_test_run(tmp_path_factory, name: str, compute):
+    """compute() once per test run, its JSON shared by pytest-xdist's test processes (each would
+    otherwise compute it, side by side on the same cores); each process's own dataset is built
+    the same, byte for byte."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set by xdist in its test processes, one per run
+    if run is None:
+        return compute()
+    from filelock import FileLock
+
+    folder = tmp_path_factory.getbasetemp().parent / f"shared-{run}"  # the parent of every process's own
+    folder.mkdir(exist_ok=True)
+    with FileLock(folder / f"{name}.lock"):
+        path = folder / f"{name}.json"
+        if not path.exists():
+            path.write_text(json.dumps(compute()))
+        return json.loads(path.read_text())
 
 
 # A real S3 endpoint for the tests: moto's server on 127.0.0.1, reached through a proxy that injects
