@@ -44,7 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
-from tokstream.cpu_dispatch import VARIABLE, is_zen4  # noqa: E402
+from tokstream.cpu_dispatch import VARIABLE, on_zen4  # noqa: E402
 
 OWT_SAMPLES = 8_820_000
 BLOCK = 1024
@@ -137,7 +137,7 @@ def run_ranks(root: Path, samples: int, ranks: int, position: float, reader: str
 def numpy_sort() -> str:
     if VARIABLE in os.environ:
         return f"numpy's kernels: as {VARIABLE}={os.environ[VARIABLE]!r} says, in every reader"
-    if is_zen4(Path("/proc/cpuinfo").read_text()):
+    if on_zen4():
         return "numpy's sort: AVX2 in the project's ranks (AMD Zen 4: tokstream/cpu_dispatch.py), AVX-512 in stock's"
     return "numpy's sort: numpy's own choice in every reader"
 

@@ -153,18 +153,13 @@ def test_two_nodes_of_two_ranks_compute_the_order_once_per_node_and_read_streami
 
 def launch_training_node(node: int, port: int, dataset, run_dir, node_dir) -> subprocess.Popen:
     """One node's torchrun with two ranks, on a disk of its own (node_dir: data cache, run_local,
-    TMPDIR) and its own /dev/shm; run_dir is shared, as a run's storage must be. The process is
-    torchrun itself (unshare and sh exec it), so a signal to it is a signal to the node's agent."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--node_rank={node}",
-                f"--nproc_per_node={RANKS}", "--master_addr=127.0.0.1", f"--master_port={port}",
-                str(ROOT / "train/main.py"), *training.BASE, f"data.remote={dataset}", f"run_dir={run_dir}",
-                f"data.local={node_dir / 'cache'}", f"run_local={node_dir / 'run'}",
-                "micro_batch_size=2"]  # 4 ranks x 2 samples: the reference's global batch of 8 (2 ranks x 4)
+    TMPDIR) and its own /dev/shm; run_dir is shared, as a run's storage must be."""
     (node_dir / "tmp").mkdir(parents=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(node_dir / "tmp"))
-    return subprocess.Popen(["unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c",
-                             f"mount -t tmpfs node-shm /dev/shm && exec {shlex.join(torchrun)}"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return training.launch_node(node, NODES, RANKS, port, f"data.remote={dataset}", f"run_dir={run_dir}",
+                                f"data.local={node_dir / 'cache'}", f"run_local={node_dir / 'run'}",
+                                "micro_batch_size=2",  # 4 ranks x 2 samples: the reference's 8 (2 ranks x 4)
+                                mounts="mount -t tmpfs node-shm /dev/shm",
+                                env=dict(os.environ, TMPDIR=str(node_dir / "tmp")))
 
 
 @pytest.mark.long

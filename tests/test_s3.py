@@ -2,7 +2,6 @@
 
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -256,17 +255,11 @@ CACHE_LIMIT = "data.cache_limit=300kb"  # under half the 700 kB dataset: streami
 
 
 def launch_node(node: int, nodes: int, port: int, dataset: str, run_dir: str) -> subprocess.Popen:
-    """One node's torchrun with one rank; the process is torchrun itself (unshare and sh exec it)."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node}",
-                "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
-                str(ROOT / "train/main.py"), *training.BASE, f"data.remote={dataset}", f"run_dir={run_dir}",
-                "data.local=/tmp/cache", "run_local=/tmp/run", CACHE_LIMIT]
+    """One node's torchrun with one rank, its /tmp (data cache, run_local, lock files) and /dev/shm its own."""
     env = {k: v for k, v in os.environ.items() if k != "TMPDIR"}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    disk = "mount -t tmpfs node-shm /dev/shm && mount -t tmpfs node-disk /tmp"
-    return subprocess.Popen(["unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c",
-                             f"{disk} && exec {shlex.join(torchrun)}"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return training.launch_node(node, nodes, 1, port, f"data.remote={dataset}", f"run_dir={run_dir}",
+                                "data.local=/tmp/cache", "run_local=/tmp/run", CACHE_LIMIT,
+                                mounts="mount -t tmpfs node-shm /dev/shm && mount -t tmpfs node-disk /tmp", env=env)
 
 
 @pytest.mark.long

@@ -8,6 +8,7 @@ size and micro-batch on relaunch: test_interruptions.py; several nodes and S3: t
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -33,6 +34,21 @@ def launch(nproc: int, dataset: Path | str | None, run_dir: Path, *overrides: st
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+
+
+def launch_node(node: int, nodes: int, nproc: int, port: int, *overrides: str, mounts: str,
+                env: dict) -> subprocess.Popen:
+    """Node `node` of a job of `nodes` on this machine: torchrun train/main.py on BASE in an IPC and
+    mount namespace of its own (`mounts`: its /dev/shm and whatever else is the node's own disk),
+    meeting the other nodes on 127.0.0.1:port. The process is torchrun itself (unshare and sh exec
+    it), so a signal to it is a signal to the node's agent."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node}",
+                f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                str(ROOT / "train/main.py"), *BASE, *overrides]
+    return subprocess.Popen(["unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c",
+                             f"{mounts} && exec {shlex.join(torchrun)}"],
+                            cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def finish(process: subprocess.Popen, timeout: float = 300) -> str:

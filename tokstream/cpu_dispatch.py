@@ -30,12 +30,7 @@ def prefer_avx2_sort(cpuinfo: str | None = None) -> bool:
     (a RuntimeError on import): then the variable is removed again and numpy imported as it is."""
     if VARIABLE in os.environ or "numpy" in sys.modules:
         return False
-    if cpuinfo is None:
-        try:
-            cpuinfo = CPUINFO.read_text()
-        except OSError:  # a sandbox without /proc: numpy's own choice, rather than no training
-            return False
-    if not is_zen4(cpuinfo):
+    if not (on_zen4() if cpuinfo is None else is_zen4(cpuinfo)):
         return False
     os.environ[VARIABLE] = FEATURE
     try:
@@ -47,6 +42,15 @@ def prefer_avx2_sort(cpuinfo: str | None = None) -> bool:
         import numpy  # noqa: F401, F811
         return False
     return True
+
+
+def on_zen4() -> bool:
+    """Whether this machine is AMD Zen 4; False where /proc/cpuinfo cannot be read (numpy's own
+    choice, rather than no training)."""
+    try:
+        return is_zen4(CPUINFO.read_text())
+    except OSError:
+        return False
 
 
 def is_zen4(cpuinfo: str) -> bool:
