@@ -175,16 +175,20 @@ def tagged_lines(path: Path, copies: int) -> Path:
 # test_s3.py (whose S3 copy of the same plays, in the same 64 kB shards, must train identically).
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory) -> Path:
+    return plays(tmp_path_factory.mktemp("data"), "64kb")
+
+
+def plays(tmp: Path, shard_size: str) -> Path:
+    """The plays' paragraphs as a dataset of 64-token blocks (5 % val) in shards of `shard_size`, under `tmp`."""
     from tokstream.options import ConversionOptions
     from tokstream.sources import open_source
     from tokstream.text_one_pass import convert_documents
     from tokstream.tokenizer import load_tokenizer
 
-    tmp = tmp_path_factory.mktemp("data")
     corpus = tmp / "plays.txt"
     corpus.write_text("\n\n".join(shakespeare_paragraphs()) + "\n")
     convert_documents(open_source([str(corpus)], txt_docs="paragraph"), load_tokenizer("gpt2"), str(tmp / "ds"),
-                      ConversionOptions(block_size=64, val_fraction=0.05, shard_size="64kb", progress=False))
+                      ConversionOptions(block_size=64, val_fraction=0.05, shard_size=shard_size, progress=False))
     return tmp / "ds"
 
 

@@ -302,6 +302,45 @@ def test_eviction_under_a_small_cache_limit_keeps_samples_exact(dataset, tmp_pat
     assert torch is not None
 
 
+def test_a_shard_whose_download_failed_is_fetched_again_not_waited_for_forever(dataset, tmp_path):
+    """Stock streaming leaves a shard whose download failed marked "being downloaded": every other
+    thread and rank of the node that needs it then waits forever. Here it goes back to remote, with
+    no partial file left, and the next try downloads it again (failing the same way while the
+    cause lasts; succeeding once it is gone)."""
+    import threading
+
+    from tokstream.train import streaming_internals as internals
+
+    remote = fresh_copy(dataset, tmp_path, "remote")
+    shard = remote / "train" / "shard.00003.mds"
+    intact = shard.read_bytes()
+    shard.unlink()
+    shard.mkdir()  # the copy fails: a real IsADirectoryError, in streaming's own downloader
+    loader = project_loader(remote, 1, 0, local=str(tmp_path / "cache"), download_retry=1)  # 1 try, no backoff
+    ds = loader.dataset
+    for _ in range(2):  # stock: the second call waits for the first's download, forever
+        outcome = []
+        attempt = threading.Thread(target=lambda: outcome.append(_raised(lambda: ds.prepare_shard(3))), daemon=True)
+        attempt.start()
+        attempt.join(timeout=20)
+        assert outcome and isinstance(outcome[0], IsADirectoryError), "the shard was waited for, not fetched"
+        assert not internals.shard_is_local(ds, 3) and not list((tmp_path / "cache" / "train").glob("*.tmp"))
+    shard.rmdir()
+    shard.write_bytes(intact)
+    ds.prepare_shard(3)
+    assert internals.shard_is_local(ds, 3) and (tmp_path / "cache" / "train" / shard.name).read_bytes() == intact
+    del loader, ds
+    gc.collect()
+
+
+def _raised(call) -> BaseException | None:
+    try:
+        call()
+    except BaseException as err:  # noqa: BLE001  (the test looks at what it was)
+        return err
+    return None
+
+
 @pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
 def test_tokens_reach_the_model_as_exact_int64_inputs_and_targets(dtype):
     """The highest token ids survive the trip: no sign flip from the narrow unsigned dtype."""

@@ -10,7 +10,8 @@ FENCE = ROOT / "tokstream/train/streaming_internals.py"
 # Private names of mosaicml-streaming the project relies on (see the fence's docstring).
 STREAMING_PRIVATE = re.compile(
     r"streaming\.base|_ShardState|_shard_states|_shard_access_times|_prepare_thread|_ready_thread|"
-    r"_pack_locals|_unpack_locals|_shm_prefix_int|\._event\b|\bTICK\b|_shared_barrier|_cache_filelock"
+    r"_pack_locals|_unpack_locals|_shm_prefix_int|\._event\b|\bTICK\b|_shared_barrier|_cache_filelock|"
+    r"_evict_coldest_shard"
 )
 SCRIPT_FOLDERS = ("convert", "train", "bench", "scripts")
 PATH_EDIT = re.compile(r"sys\.path\.(insert|append|extend|remove)\(|sys\.path\s*(\+)?=")

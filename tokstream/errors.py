@@ -1,5 +1,6 @@
 """The errors a user should see as a single line, never a traceback, and the wrapper that prints them."""
 
+import errno
 import signal
 import sys
 from collections.abc import Callable
@@ -19,17 +20,29 @@ class WorkLost(Exception):
     kept, as after an interruption, for the same command to resume."""
 
 
+class NoSpace(Exception):
+    """A disk this process writes to is full (or its quota is). Said by every process that meets it, not
+    only by training's rank 0: each node has its own disks, and the other ranks may never meet it."""
+
+
+def out_of_space(err: BaseException) -> bool:
+    """Whether a write failed for want of space: the disk is full, or the user's quota on it is."""
+    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 CONVERSION_INTERRUPTED = "interrupted: the output was not completed (see README: what resumes and what restarts)"
 
 
 def run_cli(main: Callable[[], int | None], *, sigterm_interrupts: bool = True, report: bool = True,
             interrupted: str = CONVERSION_INTERRUPTED) -> NoReturn:
-    """Run a CLI entry point; turn UserError, StoreError and Ctrl-C into one line and a non-zero exit.
+    """Run a CLI entry point; turn UserError, StoreError, a full disk and Ctrl-C into one line and a
+    non-zero exit.
 
     `main` returns its exit status (None: 0).
 
     `sigterm_interrupts`: treat SIGTERM like Ctrl-C, so cleanup runs (converters); training handles
-    SIGTERM itself, as a preemption. `report`: print the line (training: on rank 0 only).
+    SIGTERM itself, as a preemption. `report`: print the line (training: on rank 0 only), except for
+    a full disk, which the process that meets it always reports.
     """
     if sigterm_interrupts:
         signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -38,6 +51,16 @@ def run_cli(main: Callable[[], int | None], *, sigterm_interrupts: bool = True, 
     except (UserError, StoreError, WorkLost) as err:
         if report:
             print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except NoSpace as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as err:
+        if not out_of_space(err):
+            raise
+        where = err.filename or "a file this command writes"
+        print(f"error: no space left on the device holding {where} ({err.strerror}): free space there, or point "
+              "the command at another disk", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         if report:

@@ -351,6 +351,11 @@ class ShardWriter:
             self.journal.discard()
 
 
+def index_shards(split_directory: str | os.PathLike) -> list[dict]:
+    """The index.json entries of a split's shards."""
+    return json.loads((Path(split_directory) / "index.json").read_text())["shards"]
+
+
 def stored_file(shard: dict) -> dict:
     """An index entry's file as it lies on disk: the compressed one when there is one."""
     return shard["zip_data"] or shard["raw_data"]

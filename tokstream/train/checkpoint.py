@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -18,8 +19,9 @@ from typing import Protocol
 
 import torch
 
-from tokstream.errors import StoreError, UserError
+from tokstream.errors import StoreError, UserError, out_of_space
 from tokstream.train.distributed import Distributed
+from tokstream.train.grace import state_bytes
 from tokstream.train.metrics import METRICS_FILE
 from tokstream.train.run_store import POINTER, LocalRunStore, RunStore, staging_path
 
@@ -65,7 +67,13 @@ def write_checkpoint(store: RunStore, step: int, state: dict, keep: int, metrics
     staged = staging_path(store, name)
     try:
         with open(staged, "wb") as handle:
-            torch.save(state, handle)
+            writes = _KeepingWriteErrors(handle)
+            try:
+                torch.save(state, writes)
+            except RuntimeError:
+                if writes.error is not None:
+                    raise writes.error from None
+                raise
             handle.flush()
             os.fsync(handle.fileno())
         store.publish(staged, name)
@@ -77,6 +85,24 @@ def write_checkpoint(store: RunStore, step: int, state: dict, keep: int, metrics
     complete = [checkpoint_name(s) for s in _steps(store.names()) if s <= step]  # LATEST names `step` now
     if keep > 0 and len(complete) > keep:
         store.remove(complete[:-keep])
+
+
+class _KeepingWriteErrors:
+    """The file torch.save writes a checkpoint through, keeping a failed write's OSError: torch's
+    writer turns it into "unexpected pos 13293376 vs 13293268", which hides a full disk."""
+
+    def __init__(self, handle):
+        self.handle, self.error = handle, None
+
+    def write(self, data) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
 
 
 def load_latest_checkpoint(store: RunStore, dist: Distributed | None = None) -> tuple[str, dict] | tuple[None, None]:
@@ -245,27 +271,40 @@ class Checkpointer:
             if background:
                 self.wait()  # at most one in flight, and its buffers are free again
                 snapshot = self._snapshot.take(state)
-                self._in_flight = threading.Thread(target=self._write, args=(step, snapshot, metrics, True),
+                self._in_flight = threading.Thread(target=self._write_in_background, args=(step, snapshot, metrics),
                                                    name=f"checkpoint-{step}", daemon=False)
                 self._in_flight.start()
             else:
-                self._write(step, state, metrics, False)
+                failure = self._write(step, state, metrics)
         if not background:
-            self.dist.barrier()  # no rank exits (ending the job) before rank 0 has written
+            # In place of a barrier (no rank may exit, ending the job, before rank 0 has written): every
+            # rank learns whether it did, and a failed final save ends them all with rank 0's one line.
+            failure = self.dist.gather(failure if self.dist.master else None)[0]
+            if failure is not None:
+                raise StoreError(f"checkpoint at step {step} not saved: {failure}")
 
-    def _write(self, step: int, state: dict, metrics: bytes | None, background: bool) -> None:
+    def _write(self, step: int, state: dict, metrics: bytes | None) -> str | None:
+        """Write the checkpoint; why it failed, or None."""
         began = time.perf_counter()
         try:
             write_checkpoint(self.store, step, state, self.keep, metrics)
         except (OSError, RuntimeError, StoreError) as err:  # disk full, store unreachable, torch.save's writer
-            if not background:
-                raise StoreError(f"checkpoint at step {step} not saved: {err}") from None
-            newest = f"step {self.saved_step}" if self.saved_step is not None else "none"
-            print(f"warning: checkpoint at step {step} not saved ({err}); the newest checkpoint is still {newest}; "
-                  "training goes on", flush=True)
-            return
+            if not out_of_space(err):
+                return str(err)
+            free = shutil.disk_usage(self.store.local).free
+            return (f"no space left on the device holding {self.store.local} ({err.strerror}): the checkpoint "
+                    f"takes {state_bytes(state) / 2**20:.1f} MiB, {free / 2**20:.1f} MiB is free there; free "
+                    "space or give that directory a bigger disk (run_dir; run_local for a run in S3)")
         self.saved_step = step
         self.write_s = time.perf_counter() - began
+        return None
+
+    def _write_in_background(self, step: int, state: dict, metrics: bytes | None) -> None:
+        failure = self._write(step, state, metrics)
+        if failure is not None:
+            newest = f"step {self.saved_step}" if self.saved_step is not None else "none"
+            print(f"warning: checkpoint at step {step} not saved ({failure}); the newest checkpoint is still "
+                  f"{newest}; training goes on", flush=True)
 
     @property
     def in_flight(self) -> bool:

@@ -10,7 +10,10 @@ promise to keep:
   (`prepare_index`, `ready_index`, `yield_index`, `total`, `sample_ids`): download-ahead;
 - `StreamingDataset._each_sample_id`, the yield loop `__iter__` maps `__getitem__` over: it hands
   over a batch's ids at once here;
-- `StreamingDataset._event`: set when the dataset is shutting down;
+- `StreamingDataset._event`: set when the dataset is shutting down (or a thread failed);
+- `StreamingDataset.prepare_shard`'s states (REMOTE -> PREPARING -> LOCAL), `_cache_filelock`,
+  `cache_usage`, `_evict_coldest_shard`, the shard readers' `file_pairs` and stock downloaders'
+  `<file>.tmp`: a failed download is undone, and a full disk evicts;
 - `streaming.base.shared.prefix._unpack_locals` / `_pack_locals` and `_shm_prefix_int`: which
   cache directories a shared-memory prefix belongs to;
 - `streaming.base.dataset.get_sampling`, the name `resample_streams` calls,
@@ -31,10 +34,14 @@ To move to a new streaming version: read those names in its source, run the fast
 training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
 """
 
+import errno
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 from filelock import FileLock
@@ -57,8 +64,10 @@ from streaming.base.shuffle.py1e import get_shuffle_py1e as stock_get_shuffle_py
 from streaming.base.shuffle.py1s import divide_spans  # noqa: F401  (epoch_order.py)
 from streaming.base.spanner import Spanner  # noqa: F401  (lean_spanner.py)
 from streaming.base.world import World  # noqa: F401  (tests)
+from torch.utils.data import get_worker_info
 
-from tokstream.errors import UserError
+from tokstream.errors import NoSpace, UserError, out_of_space
+from tokstream.format import index_shards
 
 CHECKED_VERSIONS = ("0.13.0",)
 if streaming.__version__ not in CHECKED_VERSIONS:
@@ -68,6 +77,7 @@ if streaming.__version__ not in CHECKED_VERSIONS:
 
 _LOCAL = int(_ShardState.LOCAL)  # plain ints: IntEnum comparisons are slow per sample
 _REMOTE = int(_ShardState.REMOTE)
+_PREPARING = int(_ShardState.PREPARING)
 
 # Names of the shared-memory blocks and /tmp lock files streaming creates per dataset prefix.
 SHM_BLOCK_SUFFIXES = tuple(SHM_TO_CLEAN)
@@ -231,6 +241,129 @@ class WindowedDownloadAhead(StreamingDataset):
     def _stopping(self, it) -> bool:
         return it.should_exit() or self._event.is_set() or not threading.main_thread().is_alive()
 
+    def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+        """Stock's, but a download that fails is undone, and a full disk evicts or is said as such.
+
+        Stock leaves a shard whose download failed "being downloaded", so every thread and rank of the
+        node that needs it waits for it forever: the rank that failed exits, and the others, stuck in
+        that wait, never reach the step boundary where torchrun's SIGTERM would end them (they were
+        SIGKILLed 30 s later). Here the shard goes back to remote and its partial file is removed:
+        whoever needs it next tries again.
+
+        With a cache_limit the disk caps it too: before a download, shards are evicted until the disk
+        has room (stock counts a shard against the limit only once it is downloaded, so downloads in
+        flight at once can take the disk past it), and a download that still finds the disk full
+        evicts and tries again. Without one, or with nothing left to evict, a shard that does not fit
+        ends the rank with one line that says how to make the cache fit.
+        """
+        while True:
+            if self._shard_states[shard_id] == _REMOTE:
+                self._make_room(shard_id)
+            try:
+                return super().prepare_shard(shard_id, blocking)
+            except Exception as err:
+                self._undo_download(shard_id)
+                if not out_of_space(err):
+                    raise
+                if not (self.cache_limit and self._evicted_coldest()):
+                    raise NoSpace(self._cache_full(shard_id)) from None
+
+    def _make_room(self, shard_id: int) -> None:
+        """Before a download: with a cache_limit, evict until the disk has room for the shard and the
+        downloads in flight (the disk caps the limit); without one, or with nothing left to evict, end
+        here if the shard cannot fit, rather than after streaming's retries (15 s of backoff)."""
+        shard = self.shards[shard_id]
+        cache = os.path.join(shard.dirname, shard.split)
+        if not os.path.isdir(cache) or os.path.exists(os.path.join(cache, shard.file_pairs[0][0].basename)):
+            return  # nothing fetched yet (streaming makes the directory), or nothing to fetch
+        sizes = np.array([s.get_max_size() for s in self.shards], np.int64)
+        while True:
+            free = shutil.disk_usage(cache).free
+            in_flight = int(sizes[self._shard_states.numpy() == _PREPARING].sum()) if self.cache_limit else 0
+            if free >= sizes[shard_id] + in_flight:
+                return
+            if self.cache_limit and self._evicted_coldest():
+                continue
+            if free < sizes[shard_id]:
+                raise NoSpace(self._cache_full(shard_id))
+            return  # room for this shard, if not for every download in flight: try
+
+    def _evicted_coldest(self) -> bool:
+        """Evict the least recently used local shard; False if none is local."""
+        with PromptFileLock(self._cache_filelock_path):  # stock's cache lock, as its own calls make it
+            if not (self._shard_states.numpy() == _LOCAL).any():
+                return False
+            self._evict_coldest_shard()
+        return True
+
+    def _undo_download(self, shard_id: int) -> None:
+        # Only this call's own download can fail with the shard PREPARING: a wait for another's raises nothing.
+        with PromptFileLock(self._cache_filelock_path):  # stock's cache lock, as its own calls make it
+            if self._shard_states[shard_id] == _PREPARING:
+                self._shard_states[shard_id] = _REMOTE
+        shard = self.shards[shard_id]
+        for pair in shard.file_pairs:
+            for info in pair:
+                if info is not None:  # stock downloaders write <file>.tmp, then rename it
+                    path = os.path.join(shard.dirname, shard.split, info.basename + ".tmp")
+                    try:
+                        os.remove(path)
+                    except FileNotFoundError:
+                        pass
+
+    def _cache_full(self, shard_id: int) -> str:
+        shard = self.shards[shard_id]
+        cache = os.path.join(shard.dirname, shard.split)
+        free = shutil.disk_usage(cache).free
+        largest = max(s.get_max_size() for s in self.shards)
+        # What this dataset holds there and what is left, less the other splits' shards still to come
+        # (each split is a dataset of its own, with its own cache_limit: one that finds the disk full
+        # has none of the others' shards to evict), less what the cache takes beyond its limit: a shard
+        # per download in flight (two threads per reader) and the evicted ones a reader still maps,
+        # about 4 per reader process of the node.
+        worker = get_worker_info()
+        readers = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * (worker.num_workers if worker else 1)
+        limit = free + int(self.cache_usage) - self._other_splits_to_fetch() - 4 * readers * largest
+        hint = (f"set data.cache_limit to at most {size_setting(limit)} (the least recently used shards are "
+                "then evicted to stay under it, leaving room for the other splits and the downloads in flight), "
+                "or point data.local at a bigger disk"
+                if limit >= 4 * largest else "point data.local at a bigger disk")  # streaming's lowest limit
+        return (f"no space left on the device holding the data cache {cache} ({os.strerror(errno.ENOSPC)}): a "
+                f"shard of {size_setting(shard.get_max_size())} did not fit in the {size_setting(free)} free there; "
+                f"{hint}")
+
+    def _other_splits_to_fetch(self) -> int:
+        """Bytes the other splits (val) of this dataset's sources will take in the cache, beside this
+        split, for the shards they have not fetched yet (raw and compressed while it is unpacked)."""
+        missing = 0
+        for stream in self.streams:
+            for split in Path(stream.local).iterdir():
+                if split.name == stream.split or not (split / "index.json").is_file():
+                    continue
+                for shard in index_shards(split):
+                    if not (split / shard["raw_data"]["basename"]).exists():
+                        missing += shard["raw_data"]["bytes"] + (shard["zip_data"] or {"bytes": 0})["bytes"]
+        return missing
+
+    @contextmanager
+    def _failure_to_consumer(self) -> Iterator[None]:
+        """A download-ahead thread's error is raised by the consumer (`_raise_if_a_thread_failed`) as it
+        is: stock's callback only logs it, with a traceback, and the consumer then raises a generic one."""
+        try:
+            yield
+        except Exception as err:
+            if getattr(self, "_thread_error", None) is None:
+                self._thread_error = err
+            self._event.set()
+
+    def _raise_if_a_thread_failed(self) -> None:
+        if (err := getattr(self, "_thread_error", None)) is not None:
+            raise err
+
+    def get_item(self, sample_id: int, retry: int = 7):
+        self._raise_if_a_thread_failed()
+        return super().get_item(sample_id, retry)
+
     def _each_sample_id(self, it) -> Iterator[list[int]]:
         """Stock's yield loop, but yielding the ids of `samples_per_item()` samples at a time: streaming's
         __iter__ passes each list to __getitem__, which a subclass reads as one item. At the end, the
@@ -253,6 +386,7 @@ class WindowedDownloadAhead(StreamingDataset):
             if len(group) == size:
                 yield group
                 group = []
+        self._raise_if_a_thread_failed()
         it.on_exit()
 
     def samples_per_item(self) -> int:
@@ -269,29 +403,31 @@ class WindowedDownloadAhead(StreamingDataset):
         return stop, shards[np.sort(first)]
 
     def _prepare_thread(self, it) -> None:
-        while not self._stopping(it):
-            if it.prepare_index == it.total or it.ready_index == it.total:
-                it.prepare_index = it.total
-                break
-            if self._far_enough_ahead(it.prepare_index, it):
-                time.sleep(TICK)
-                continue
-            stop, shards = self._window(it, it.prepare_index)
-            for shard_id in shards.tolist():
-                self.prepare_shard(shard_id, False)
-            it.prepare_index = stop
+        with self._failure_to_consumer():
+            while not self._stopping(it):
+                if it.prepare_index == it.total or it.ready_index == it.total:
+                    it.prepare_index = it.total
+                    break
+                if self._far_enough_ahead(it.prepare_index, it):
+                    time.sleep(TICK)
+                    continue
+                stop, shards = self._window(it, it.prepare_index)
+                for shard_id in shards.tolist():
+                    self.prepare_shard(shard_id, False)
+                it.prepare_index = stop
         it.on_exit()
 
     def _ready_thread(self, it) -> None:
-        while not self._stopping(it):
-            if it.ready_index == it.total:
-                break
-            if self._far_enough_ahead(it.ready_index, it):
-                time.sleep(TICK)
-                continue
-            stop, shards = self._window(it, it.ready_index)
-            if all(self._wait_until_local(it, shard_id) for shard_id in shards.tolist()):
-                it.ready_index = stop
+        with self._failure_to_consumer():
+            while not self._stopping(it):
+                if it.ready_index == it.total:
+                    break
+                if self._far_enough_ahead(it.ready_index, it):
+                    time.sleep(TICK)
+                    continue
+                stop, shards = self._window(it, it.ready_index)
+                if all(self._wait_until_local(it, shard_id) for shard_id in shards.tolist()):
+                    it.ready_index = stop
         it.on_exit()
 
     def _wait_until_local(self, it, shard_id: int) -> bool:
@@ -310,3 +446,11 @@ class WindowedDownloadAhead(StreamingDataset):
             else:
                 time.sleep(TICK)  # another thread or rank is downloading it
         return True
+
+
+def size_setting(size: int) -> str:
+    """A byte count as streaming's size settings take it (1024-based), rounded down: "12gb", "300kb"."""
+    for suffix, unit in (("tb", 1 << 40), ("gb", 1 << 30), ("mb", 1 << 20), ("kb", 1 << 10)):
+        if size >= 10 * unit:
+            return f"{size // unit}{suffix}"
+    return f"{size}b"

@@ -31,6 +31,7 @@ import torch
 from streaming import StreamingDataLoader
 from torch.utils.data import DataLoader
 
+from tokstream.errors import NoSpace, UserError
 from tokstream.train.token_dataset import TokenDataset
 from tokstream.train.transfer_ring import TransferRing
 
@@ -71,6 +72,17 @@ def _end_workers() -> None:
         if (ring := getattr(batches, "transfer_ring", None)) is not None:
             ring.close()  # a worker waiting for a slot would not see the DataLoader's end
         batches._shutdown_workers()
+
+
+def _as_the_worker_said(err: Exception) -> Exception:
+    """A DataLoader worker's one-line error as the worker raised it: the DataLoader re-raises it in the
+    rank with the worker's whole traceback as its message, "Caught ... Original Traceback ...", which
+    ends with the original line."""
+    marker = f"{type(err).__module__}.{type(err).__qualname__}: "
+    text = str(err)
+    if not text.startswith("Caught ") or marker not in text:
+        return err
+    return type(err)(text.rsplit(marker, 1)[1].strip())
 
 
 def _as_is(item: dict) -> dict:
@@ -150,6 +162,8 @@ class TokenLoader(StreamingDataLoader):
             for batch in batches:
                 self.num_samples_yielded += len(batch["ids"])
                 yield batch
+        except (UserError, NoSpace) as err:
+            raise _as_the_worker_said(err) from None
         finally:
             self.dataset.ring = None
             if ring is not None:

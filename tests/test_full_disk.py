@@ -1,0 +1,172 @@
+"""A disk that fills up: the converter's output, training's data cache, training's checkpoints.
+
+Each case runs on a small tmpfs mounted in a mount namespace of its own (unshare), as a small disk
+would be, and what is "freed" afterwards is freed by growing it (mount -o remount,size=...).
+
+What a user relies on: one line that names the full device and says what to do, a non-zero exit
+and no hang; nothing half-written that looks complete; and the fix the line suggests works: the
+conversion resumes with the bytes of a clean one, training trains on the samples of an
+uninterrupted run.
+"""
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import test_training as training
+from conftest import ROOT, namespaces_permitted, plays, run_script, tagged_lines, tree_bytes
+
+from tokstream.train.checkpoint import latest_step
+from tokstream.train.run_store import LocalRunStore
+
+SMALL_DISK = pytest.mark.skipif(not namespaces_permitted(), reason="namespaces are not permitted here (unshare "
+                                "--mount): a small disk of its own is mounted for each case")
+
+
+def on_a_small_disk(disk: Path, size: str, script: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run the shell `script` with a tmpfs of `size` mounted at `disk`, seen by nothing else."""
+    disk.mkdir()
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                           f"mount -t tmpfs -o size={size} small-disk {disk} && {script}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def sh(*command) -> str:
+    return shlex.join(map(str, command))
+
+
+def converter(script: str, *args) -> str:
+    return sh(sys.executable, ROOT / script, *args)
+
+
+def the_error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "error:" in line]
+
+
+def token_file(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(3)
+    path = tmp_path / "train.bin"
+    rng.integers(0, 50257, 1_500_000).astype("<u2").tofile(path)  # 3 MB, and as much of shards
+    return path
+
+
+CONVERSIONS = {
+    # a one-pass text conversion saves its state between batches; token files journal their shards
+    "text": lambda tmp_path: ("convert/text_to_mds.py", tagged_lines(tmp_path / "lines.txt", 2), "--doc-per",
+                              "line", "--block-size", "64", "--shard-size", "64kb", "--num-workers", "1",
+                              "--state-interval", "0", "--no-progress"),
+    "token file": lambda tmp_path: ("convert/bin_to_mds.py", token_file(tmp_path), "--block-size", "64",
+                                    "--shard-size", "64kb", "--no-progress"),
+}
+
+
+@SMALL_DISK
+@pytest.mark.parametrize("kind", CONVERSIONS)
+def test_a_conversion_that_fills_the_disk_keeps_its_work_and_resumes_to_the_same_bytes(tmp_path, kind):
+    script, *args = CONVERSIONS[kind](tmp_path)
+    disk = tmp_path / "disk"
+    out = disk / "out"
+    result = on_a_small_disk(disk, "1500k", f"""
+        {converter(script, *args, "--out", out)} 2> {tmp_path}/full.err; echo $? > {tmp_path}/full.rc
+        ls -A {out}.partial > {tmp_path}/kept.txt; test ! -e {out}/metadata.json && echo none > {tmp_path}/complete.txt
+        mount -o remount,size=16m {disk}
+        {converter(script, *args, "--out", out)} > {tmp_path}/resumed.out 2>&1 && cp -r {out} {tmp_path}/out""")
+    assert result.returncode == 0, result.stderr + (tmp_path / "resumed.out").read_text()
+    error = (tmp_path / "full.err").read_text()
+    assert (tmp_path / "full.rc").read_text().strip() == "2" and len(error.strip().splitlines()) == 1, error
+    assert error.startswith(f"error: no space left on the device holding {out}.partial (No space left on device): "
+                            "what was converted so far is kept there; free space and run the same command again "
+                            "to continue from it"), error
+    assert (tmp_path / "kept.txt").read_text().split() and (tmp_path / "complete.txt").read_text() == "none\n"
+    assert "resuming" in (tmp_path / "resumed.out").read_text()  # it continued, not started over
+
+    clean = run_script(script, *args, "--out", tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr
+    assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "clean")
+
+
+def test_any_other_write_that_finds_no_space_is_one_line_too():
+    """What no part of the project turned into a line of its own: a plain write to a full device."""
+    command = "from tokstream.errors import run_cli; run_cli(lambda: open('/dev/full', 'wb').write(bytes(1 << 20)))"
+    ended = subprocess.run([sys.executable, "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ended.returncode == 2 and ended.stderr == (
+        "error: no space left on the device holding a file this command writes (No space left on device): free "
+        "space there, or point the command at another disk\n"), ended.stderr
+
+
+def torchrun(dataset: Path, run_dir: Path, *overrides: str) -> str:
+    """test_training's 2-rank launch, as a shell command."""
+    return sh(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+              ROOT / "train/main.py", *training.BASE, f"data.remote={dataset}", f"run_dir={run_dir}", *overrides)
+
+
+@pytest.fixture(scope="module")
+def small_shards(tmp_path_factory) -> Path:
+    """The training tests' plays in shards of 16 kB (40 train, 3 val): a cache can hold some of them."""
+    return plays(tmp_path_factory.mktemp("small-shards"), "16kb")
+
+
+@SMALL_DISK
+def test_a_full_data_cache_ends_every_rank_in_one_line_and_the_cache_limit_it_suggests_trains_exactly(
+        small_shards, tmp_path):
+    """The shards are copied into data.local, on a disk that holds about half of them: the ranks stop
+    with one line each (their DataLoader workers met it), none waits forever for a shard whose copy
+    failed (stock streaming's ranks did, until torchrun's SIGKILL 30 s later), and no partial copy is
+    left. Relaunched on the same disk with the data.cache_limit the line suggests, the run evicts
+    and fetches again, evaluates (the val split's shards fit beside), and trains on the samples of a
+    run on a big disk."""
+    steps = "max_steps=8"  # an evaluation at step 8
+    training.train(2, small_shards, tmp_path / "reference", steps)
+    disk = tmp_path / "disk"
+    cache, run_dir = disk / "cache", tmp_path / "run"
+    environment = "OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1"
+    result = on_a_small_disk(disk, "400k", f"""
+        {environment} timeout 90 {torchrun(small_shards, run_dir, f"data.local={cache}", steps, "data.num_workers=2")} \\
+            > {tmp_path}/full.log 2>&1
+        echo $? > {tmp_path}/full.rc; find {cache} -name '*.tmp' > {tmp_path}/partial.txt
+        limit=$(grep -o 'set data.cache_limit to at most [0-9a-z]*' {tmp_path}/full.log | head -1 | sed 's/.* //')
+        echo "$limit" > {tmp_path}/limit.txt
+        {environment} {torchrun(small_shards, run_dir, f"data.local={cache}", steps)} "data.cache_limit=$limit" \\
+            > {tmp_path}/relaunch.log 2>&1""")
+    full = (tmp_path / "full.log").read_text()
+    assert (tmp_path / "full.rc").read_text().strip() not in ("0", "124"), full  # 124: timed out, a rank hung
+    errors = the_error_lines(full)
+    assert errors and all(f"error: no space left on the device holding the data cache {cache}/train (No space "
+                          "left on device): a shard of 15kb did not fit" in line for line in errors), full
+    assert f'File "{ROOT / "tokstream"}' not in full  # no traceback from the trainer (torchrun adds its own)
+    assert (tmp_path / "partial.txt").read_text() == ""
+    assert (tmp_path / "limit.txt").read_text().strip().endswith("kb")
+
+    assert result.returncode == 0, (tmp_path / "relaunch.log").read_text()[-3000:]
+    assert training.trained_steps(run_dir) == training.trained_steps(tmp_path / "reference")
+
+
+@SMALL_DISK
+def test_checkpoints_on_a_full_disk_fail_in_one_line_and_the_one_kept_resumes_exactly(reference, dataset, tmp_path):
+    """run_dir on a disk with room for one checkpoint (40 MB) and not two: the periodic save at step 8
+    warns and training goes on; the final one, at step 12, ends every rank with one line. The
+    checkpoint LATEST names is whole: copied to a bigger disk, the run resumes from it and trains on
+    the reference's samples to its step 16."""
+    disk = tmp_path / "disk"
+    result = on_a_small_disk(disk, "60m", f"""
+        OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 {torchrun(dataset, disk / "run", "max_steps=12")} > {tmp_path}/full.log 2>&1
+        echo $? > {tmp_path}/full.rc; cp -r {disk / "run"} {tmp_path}/run""")
+    assert result.returncode == 0, result.stderr
+    full = (tmp_path / "full.log").read_text()
+    assert (tmp_path / "full.rc").read_text().strip() != "0", full
+    no_space = (f"no space left on the device holding {disk / 'run'} (No space left on device): the checkpoint "
+                "takes 38.0 MiB")
+    assert f"warning: checkpoint at step 8 not saved ({no_space}" in full
+    assert "the newest checkpoint is still step 4; training goes on" in full
+    errors = the_error_lines(full)  # rank 0's: rank 1 learns of the failure and ends without a word
+    assert len(errors) == 1 and f"error: checkpoint at step 12 not saved: {no_space}" in errors[0], full
+    assert f'File "{ROOT / "tokstream"}' not in full  # rank 1 too ended without a traceback
+
+    run = tmp_path / "run"
+    assert latest_step(LocalRunStore(run)) == 4
+    assert sorted(p.name for p in run.iterdir()) == ["LATEST", "ckpt-00000004.pt", "metrics.jsonl"]
+    training.train(2, dataset, run)  # to the reference's 16 steps (its LR schedule is fixed by decay_steps)
+    assert training.trained_steps(run) == reference
