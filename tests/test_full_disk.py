@@ -88,6 +88,38 @@ def test_a_conversion_that_fills_the_disk_keeps_its_work_and_resumes_to_the_same
     assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "clean")
 
 
+@SMALL_DISK
+def test_a_conversion_to_s3_whose_staging_disk_fills_keeps_its_uploads_and_resumes_to_the_same_bytes(proxy, tmp_path):
+    """Shards wait in --staging for their upload. That disk filling up (by another writer, once the
+    conversion has saved a state) is one line naming it; the objects uploaded so far stay, and the
+    rerun continues from them to a local conversion's bytes."""
+    from test_s3 import BUCKET, CONVERT, assert_store_holds_exactly
+
+    args = ["--dataset", tagged_lines(tmp_path / "lines.txt", 2), "--txt-docs", "line", *CONVERT, "--num-workers",
+            "1", "--state-interval", "0", "--out", f"s3://{BUCKET}/small-staging"]  # 30 train shards of 96 kB
+    disk = tmp_path / "disk"
+    result = on_a_small_disk(disk, "1m", f"""
+        {converter("convert/owt_to_mds.py", *args, "--staging", disk)} 2> {tmp_path}/err & converting=$!
+        until ls {disk}/tokstream-upload-*/.conversion-state.npz > /dev/null 2>&1; do sleep 0.005; done
+        dd if=/dev/zero of={disk}/filler bs=64k 2> /dev/null
+        wait $converting; echo $? > {tmp_path}/rc; rm {disk}/filler; echo "$(ls -A {disk})" > {tmp_path}/left.txt""")
+    assert result.returncode == 0, result.stderr
+    error = (tmp_path / "err").read_text()
+    assert (tmp_path / "rc").read_text().strip() == "2" and len(error.strip().splitlines()) == 1, error
+    assert error.startswith(f"error: no space left on the device holding {disk}/tokstream-upload-"), error
+    assert error.strip().endswith("(No space left on device), where shards wait for their upload: what was "
+                                  "uploaded stays; free space there or pass --staging DIR on another disk, and run "
+                                  "the same command again"), error
+    assert (tmp_path / "left.txt").read_text().strip() == ""  # the staging directory itself is gone
+
+    resumed = run_script("convert/owt_to_mds.py", *args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming s3://" in resumed.stdout
+    local = run_script("convert/owt_to_mds.py", *args[:-2], "--out", tmp_path / "local")
+    assert local.returncode == 0, local.stderr
+    assert_store_holds_exactly("small-staging", tmp_path / "local")
+
+
 def test_any_other_write_that_finds_no_space_is_one_line_too():
     """What no part of the project turned into a line of its own: a plain write to a full device."""
     command = "from tokstream.errors import run_cli; run_cli(lambda: open('/dev/full', 'wb').write(bytes(1 << 20)))"
