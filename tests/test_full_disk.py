@@ -93,7 +93,7 @@ def test_a_conversion_to_s3_whose_staging_disk_fills_keeps_its_uploads_and_resum
     """Shards wait in --staging for their upload. That disk filling up (by another writer, once the
     conversion has saved a state) is one line naming it; the objects uploaded so far stay, and the
     rerun continues from them to a local conversion's bytes."""
-    from test_s3 import BUCKET, CONVERT, assert_store_holds_exactly
+    from test_s3 import BUCKET, CONVERT, rerun_resumes_to_a_local_conversions_bytes
 
     args = ["--dataset", tagged_lines(tmp_path / "lines.txt", 2), "--txt-docs", "line", *CONVERT, "--num-workers",
             "1", "--state-interval", "0", "--out", f"s3://{BUCKET}/small-staging"]  # 30 train shards of 96 kB
@@ -112,12 +112,7 @@ def test_a_conversion_to_s3_whose_staging_disk_fills_keeps_its_uploads_and_resum
                                   "the same command again"), error
     assert (tmp_path / "left.txt").read_text().strip() == ""  # the staging directory itself is gone
 
-    resumed = run_script("convert/owt_to_mds.py", *args)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resuming s3://" in resumed.stdout
-    local = run_script("convert/owt_to_mds.py", *args[:-2], "--out", tmp_path / "local")
-    assert local.returncode == 0, local.stderr
-    assert_store_holds_exactly("small-staging", tmp_path / "local")
+    rerun_resumes_to_a_local_conversions_bytes(args, "small-staging", tmp_path)
 
 
 def test_any_other_write_that_finds_no_space_is_one_line_too():

@@ -143,12 +143,18 @@ def test_a_text_conversion_killed_mid_upload_resumes_with_the_same_bytes(proxy, 
     assert process.returncode == -signal.SIGKILL
     assert "metadata.json" not in keys("killed")
 
+    rerun_resumes_to_a_local_conversions_bytes(args, "killed", tmp_path)
+
+
+def rerun_resumes_to_a_local_conversions_bytes(args: list, prefix: str, tmp_path) -> None:
+    """Rerun an interrupted owt_to_mds.py conversion to S3 (`args` end with --out): it resumes, and the
+    objects are then a local conversion's files."""
     resumed = run_script("convert/owt_to_mds.py", *args)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming s3://" in resumed.stdout
     local = run_script("convert/owt_to_mds.py", *args[:-2], "--out", tmp_path / "local")
     assert local.returncode == 0, local.stderr
-    assert_store_holds_exactly("killed", tmp_path / "local")
+    assert_store_holds_exactly(prefix, tmp_path / "local")
 
 
 @pytest.mark.parametrize("case,message", [
