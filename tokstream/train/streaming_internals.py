@@ -333,16 +333,18 @@ class WindowedDownloadAhead(StreamingDataset):
                 f"{hint}")
 
     def _other_splits_to_fetch(self) -> int:
-        """Bytes the other splits (val) of this dataset's sources will take in the cache, beside this
-        split, for the shards they have not fetched yet (raw and compressed while it is unpacked)."""
+        """Bytes the other splits (val; train, seen from val) of this dataset's sources will take in the
+        cache beside this split, for the shards they have not fetched yet (raw and compressed while it
+        is unpacked), each at most the cache_limit they share with this one."""
         missing = 0
         for stream in self.streams:
             for split in Path(stream.local).iterdir():
                 if split.name == stream.split or not (split / "index.json").is_file():
                     continue
-                for shard in index_shards(split):
-                    if not (split / shard["raw_data"]["basename"]).exists():
-                        missing += shard["raw_data"]["bytes"] + (shard["zip_data"] or {"bytes": 0})["bytes"]
+                to_fetch = sum(shard["raw_data"]["bytes"] + (shard["zip_data"] or {"bytes": 0})["bytes"]
+                               for shard in index_shards(split)
+                               if not (split / shard["raw_data"]["basename"]).exists())
+                missing += min(to_fetch, self.cache_limit) if self.cache_limit else to_fetch
         return missing
 
     @contextmanager
