@@ -1,7 +1,8 @@
 """A disk that fills up: the converter's output, training's data cache, training's checkpoints.
 
 Each case runs on a small tmpfs mounted in a mount namespace of its own (unshare), as a small disk
-would be, and what is "freed" afterwards is freed by growing it (mount -o remount,size=...).
+would be, and what is "freed" afterwards is freed by growing it (mount -o remount,size=...); a
+plain write meets /dev/full, a device that is always full.
 
 What a user relies on: one line that names the full device and says what to do, a non-zero exit
 and no hang; nothing half-written that looks complete; and the fix the line suggests works: the
@@ -176,12 +177,23 @@ def test_checkpoints_on_a_full_disk_fail_in_one_line_and_the_one_kept_resumes_ex
     """run_dir on a disk with room for one checkpoint (40 MB) and not two: the periodic save at step 8
     warns and training goes on; the final one, at step 12, ends every rank with one line. The
     checkpoint LATEST names is whole: copied to a bigger disk, the run resumes from it and trains on
-    the reference's samples to its step 16."""
+    the reference's samples to its step 16. On a disk without room for the write probe that sizes the
+    preemption grace period (step 2), that is a warning too, and the probe leaves nothing behind."""
     disk = tmp_path / "disk"
+    tiny = disk / "tiny"  # 8 MB, mounted on the disk: no room even for the 16 MiB write probe at step 2
     result = on_a_small_disk(disk, "60m", f"""
         OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 {torchrun(dataset, disk / "run", "max_steps=12")} > {tmp_path}/full.log 2>&1
-        echo $? > {tmp_path}/full.rc; cp -r {disk / "run"} {tmp_path}/run""")
+        echo $? > {tmp_path}/full.rc; cp -r {disk / "run"} {tmp_path}/run
+        mkdir {tiny} && mount -t tmpfs -o size=8m tiny {tiny}
+        OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 {torchrun(dataset, tiny / "run", "max_steps=3")} > {tmp_path}/tiny.log 2>&1
+        echo $? > {tmp_path}/tiny.rc; echo "$(ls -A {tiny / "run"})" > {tmp_path}/tiny.txt""")
     assert result.returncode == 0, result.stderr
+    tiny_run = (tmp_path / "tiny.log").read_text()
+    assert (tmp_path / "tiny.rc").read_text().strip() != "0", tiny_run
+    assert (f"warning: no space left on the device holding {tiny / 'run'} (No space left on device) for a 16 MiB "
+            "write probe: checkpoints (38.0 MiB each) cannot be saved until space is freed there") in tiny_run
+    assert len(the_error_lines(tiny_run)) == 1 and "error: checkpoint at step 3 not saved" in tiny_run, tiny_run
+    assert (tmp_path / "tiny.txt").read_text().split() == ["metrics.jsonl"]  # no probe or checkpoint left
     full = (tmp_path / "full.log").read_text()
     assert (tmp_path / "full.rc").read_text().strip() != "0", full
     no_space = (f"no space left on the device holding {disk / 'run'} (No space left on device): the checkpoint "

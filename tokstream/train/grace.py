@@ -38,11 +38,14 @@ def measure_write_rate(store: RunStore) -> float:
     name = ".write-probe"
     staged = staging_path(store, name)
     began = time.perf_counter()
-    with open(staged, "wb") as handle:
-        handle.write(os.urandom(PROBE_BYTES))
-        handle.flush()
-        os.fsync(handle.fileno())
-    store.publish(staged, name)
+    try:
+        with open(staged, "wb") as handle:
+            handle.write(os.urandom(PROBE_BYTES))
+            handle.flush()
+            os.fsync(handle.fileno())
+        store.publish(staged, name)
+    finally:
+        staged.unlink(missing_ok=True)  # a probe that failed (a full disk) leaves nothing behind
     seconds = time.perf_counter() - began
     store.remove([name])
     return PROBE_BYTES / max(seconds, 1e-6)
