@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from filelock import FileLock
+from filelock import FileLock, Timeout
 import streaming
 import streaming.base.batching as streaming_batching_module
 from streaming.base.batching import generate_work  # noqa: F401  (tests)
@@ -297,10 +297,15 @@ class WindowedDownloadAhead(StreamingDataset):
         return True
 
     def _undo_download(self, shard_id: int) -> None:
-        # Only this call's own download can fail with the shard PREPARING: a wait for another's raises nothing.
-        with PromptFileLock(self._cache_filelock_path):  # stock's cache lock, as its own calls make it
-            if self._shard_states[shard_id] == _PREPARING:
-                self._shard_states[shard_id] = _REMOTE
+        # Only this call's own download can fail with the shard PREPARING: a wait for another's raises
+        # nothing. Stock's eviction can raise with the lock still held by this thread, through another
+        # file descriptor, which would wait forever: a timeout leaves the shard as stock would.
+        try:
+            with PromptFileLock(self._cache_filelock_path, timeout=10):  # stock's cache lock
+                if self._shard_states[shard_id] == _PREPARING:
+                    self._shard_states[shard_id] = _REMOTE
+        except Timeout:
+            pass
         shard = self.shards[shard_id]
         for pair in shard.file_pairs:
             for info in pair:
