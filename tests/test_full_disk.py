@@ -10,6 +10,7 @@ conversion resumes with the bytes of a clean one, training trains on the samples
 uninterrupted run.
 """
 
+import gc
 import shlex
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 import test_training as training
 from conftest import ROOT, namespaces_permitted, plays, run_script, tagged_lines, tree_bytes
 
+from tokstream.format import index_shards
 from tokstream.train.checkpoint import latest_step
 from tokstream.train.run_store import LocalRunStore
 
@@ -133,7 +135,7 @@ def torchrun(dataset: Path, run_dir: Path, *overrides: str) -> str:
 
 @pytest.fixture(scope="module")
 def small_shards(tmp_path_factory) -> Path:
-    """The training tests' plays in shards of 16 kB (40 train, 3 val): a cache can hold some of them."""
+    """The training tests' plays in shards of 16 kB (41 train, 3 val): a cache can hold some of them."""
     return plays(tmp_path_factory.mktemp("small-shards"), "16kb")
 
 
@@ -170,6 +172,39 @@ def test_a_full_data_cache_ends_every_rank_in_one_line_and_the_cache_limit_it_su
 
     assert result.returncode == 0, (tmp_path / "relaunch.log").read_text()[-3000:]
     assert training.trained_steps(run_dir) == training.trained_steps(tmp_path / "reference")
+
+
+EPOCH_SCRIPT = """
+import sys
+import numpy as np
+from tokstream.train.config import DataConfig
+from tokstream.train.data import make_loader
+
+def epoch(remote: str, local: str, cache_limit: str) -> np.ndarray:
+    loader = make_loader(DataConfig(remote=remote, local=local, cache_limit=cache_limit, shuffle_seed=5), "train", 8,
+                         shuffle=True, pin_memory=False)
+    return np.concatenate([batch["tokens"].numpy() for batch in loader])
+
+if __name__ == "__main__":
+    np.save(sys.argv[4], epoch(*sys.argv[1:4]))
+"""
+
+
+@SMALL_DISK
+def test_a_cache_limit_larger_than_the_disk_is_capped_by_the_disk(small_shards, tmp_path):
+    """A data.cache_limit of 16 MB, for 650 kB of shards, on a 400 kB disk: streaming never evicts for
+    that limit, so shards are evicted for the disk instead, before a download that would not fit (or
+    after one that found it full), and the epoch reads the same samples as from a big disk."""
+    disk = tmp_path / "disk"
+    command = sh(sys.executable, "-c", EPOCH_SCRIPT, small_shards, disk / "cache", "16mb", tmp_path / "small.npy")
+    small = on_a_small_disk(disk, "400k", f"PYTHONPATH={ROOT} {command}")
+    assert small.returncode == 0, small.stderr
+    namespace = {}
+    exec(EPOCH_SCRIPT, namespace)  # the same epoch, here, from a cache on a big disk
+    big = namespace["epoch"](str(small_shards), str(tmp_path / "big"), "16mb")
+    assert len(list((tmp_path / "big" / "train").glob("shard.*"))) == len(index_shards(small_shards / "train"))
+    np.testing.assert_array_equal(np.load(tmp_path / "small.npy"), big)
+    gc.collect()  # the loader's dataset and its shared memory go now, not at another test's collection
 
 
 @SMALL_DISK

@@ -276,10 +276,15 @@ class WindowedDownloadAhead(StreamingDataset):
         cache = os.path.join(shard.dirname, shard.split)
         if not os.path.isdir(cache) or os.path.exists(os.path.join(cache, shard.file_pairs[0][0].basename)):
             return  # nothing fetched yet (streaming makes the directory), or nothing to fetch
-        sizes = np.array([s.get_max_size() for s in self.shards], np.int64)
+        block = os.statvfs(cache).f_frsize  # a file takes whole blocks of the disk
+        sizes = -(-np.array([s.get_max_size() for s in self.shards], np.int64) // block) * block
         while True:
             free = shutil.disk_usage(cache).free
-            in_flight = int(sizes[self._shard_states.numpy() == _PREPARING].sum()) if self.cache_limit else 0
+            # Room for one more download than is in flight: the other thread of this reader may start
+            # one between this check and this download's start.
+            in_flight = 0
+            if self.cache_limit:
+                in_flight = int(sizes[self._shard_states.numpy() == _PREPARING].sum()) + int(sizes.max())
             if free >= sizes[shard_id] + in_flight:
                 return
             if self.cache_limit and self._evicted_coldest():
@@ -294,7 +299,12 @@ class WindowedDownloadAhead(StreamingDataset):
             if not (self._shard_states.numpy() == _LOCAL).any():
                 return False
             self._evict_coldest_shard()
+        self.release_evicted()
         return True
+
+    def release_evicted(self) -> None:
+        """Let go of whatever this process still holds of evicted shards, so that their disk space is
+        freed (a reader that maps shards overrides this)."""
 
     def _undo_download(self, shard_id: int) -> None:
         # Only this call's own download can fail with the shard PREPARING: a wait for another's raises

@@ -73,18 +73,20 @@ class TokenDataset(internals.WindowedDownloadAhead):
             self._sample_format = parse_column_encoding(internals.first_column_encoding(self))
         return self._sample_format
 
-    def _unmap_evicted(self) -> None:
+    def release_evicted(self) -> None:
         """Drop the mappings of shards that are no longer local, so an evicted file's disk space is
-        freed. Run whenever another shard is mapped: evictions make room for new shards, so this
-        catches them within one shard, not at the evicted shard's next read (maybe never)."""
-        for shard_id in [s for s in self._views if not internals.shard_is_local(self, s)]:
-            del self._views[shard_id]
+        freed. Run whenever another shard is mapped (evictions make room for new shards, so this
+        catches them within one shard, not at the evicted shard's next read, maybe never) and by a
+        download-ahead thread that evicted for a disk's room. A batch being read keeps its own
+        reference to a view until it is stacked."""
+        for shard_id in [s for s in list(self._views) if not internals.shard_is_local(self, s)]:
+            self._views.pop(shard_id, None)
 
     def _local_view(self, shard_id: int) -> np.ndarray | None:
         """The mapped shard, or None if it is not local (stock get_item then fetches it)."""
         view = self._views.get(shard_id)
         if view is None:
-            self._unmap_evicted()
+            self.release_evicted()
             try:
                 view = self._views[shard_id] = self._map_shard(shard_id)
             except FileNotFoundError:  # evicted by another rank between the state check and here
