@@ -1,6 +1,7 @@
 """The errors a user should see as a single line, never a traceback, and the wrapper that prints them."""
 
 import errno
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -28,6 +29,12 @@ class NoSpace(Exception):
 def out_of_space(err: BaseException) -> bool:
     """Whether a write failed for want of space: the disk is full, or the user's quota on it is."""
     return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space(where: object, err: OSError | None = None) -> str:
+    """The start of every full-disk line: which device, and the system's word for why (ENOSPC's if no
+    write has failed yet)."""
+    return f"no space left on the device holding {where} ({err.strerror if err else os.strerror(errno.ENOSPC)})"
 
 
 CONVERSION_INTERRUPTED = "interrupted: the output was not completed (see README: what resumes and what restarts)"
@@ -58,8 +65,7 @@ def run_cli(main: Callable[[], int | None], *, sigterm_interrupts: bool = True, 
     except OSError as err:
         if not out_of_space(err):
             raise
-        where = err.filename or "a file this command writes"
-        print(f"error: no space left on the device holding {where} ({err.strerror}): free space there, or point "
+        print(f"error: {no_space(err.filename or 'a file this command writes', err)}: free space there, or point "
               "the command at another disk", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

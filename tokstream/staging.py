@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokstream.errors import NoSpace, UserError, WorkLost, out_of_space
+from tokstream.errors import NoSpace, UserError, WorkLost, no_space, out_of_space
 from tokstream.format import shard_file_intact, stored_file
 from tokstream.object_store import S3Dataset, Uploader, UploadError, is_s3
 from tokstream.resume import RESUME_KEY_FILE, STATE_FILE, key_matches, partial_path, replaced_path, write_key
@@ -89,7 +89,7 @@ def staged_output(out: str | os.PathLike, overwrite: bool, staging_dir: str | No
             done = ("what was converted so far is kept there; free space and run the same command again to "
                     "continue from it" if keep else "the unfinished output was removed; free space (or choose "
                     "another --out) and run the command again")
-            raise NoSpace(f"{no_space(err, staging)}: {done}") from None
+            raise NoSpace(f"{no_space(err.filename or staging, err)}: {done}") from None
         raise
     key_file.unlink(missing_ok=True)
     replaced = replaced_path(out)
@@ -137,8 +137,8 @@ def _staged_s3(url: str, overwrite: bool, staging_dir: str | None, resume_key: d
                               "pass --overwrite to start over") from None
         if out_of_space(err):
             kept = "what was uploaded stays; " if keep else ""
-            raise NoSpace(f"{no_space(err, staging)}, where shards wait for their upload: {kept}free space there "
-                          "or pass --staging DIR on another disk, and run the same command again") from None
+            raise NoSpace(f"{no_space(err.filename or staging, err)}, where shards wait for their upload: {kept}free "
+                          "space there or pass --staging DIR on another disk, and run the same command again") from None
         if not keep and resume_key is not None:  # with what an earlier, resumed run left
             _delete_quietly(dataset, [RESUME_KEY_FILE, STATE_FILE, *(existing if resumed else [])])
         raise
@@ -146,11 +146,6 @@ def _staged_s3(url: str, overwrite: bool, staging_dir: str | None, resume_key: d
         shutil.rmtree(staging, ignore_errors=True)
     if resume_key is not None:
         _delete_quietly(dataset, [RESUME_KEY_FILE, STATE_FILE])  # the dataset is complete: no longer needed
-
-
-def no_space(err: OSError, where: Path) -> str:
-    """The start of the line for a write that found no space: which device, and why."""
-    return f"no space left on the device holding {err.filename or where} ({err.strerror})"
 
 
 def _delete_quietly(dataset: S3Dataset, relatives: list[str]) -> None:

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from tokstream.errors import StoreError, UserError, out_of_space
+from tokstream.errors import StoreError, UserError, no_space, out_of_space
 from tokstream.train.distributed import Distributed
 from tokstream.train.grace import state_bytes
 from tokstream.train.metrics import METRICS_FILE
@@ -292,9 +292,9 @@ class Checkpointer:
             if not out_of_space(err):
                 return str(err)
             free = shutil.disk_usage(self.store.local).free
-            return (f"no space left on the device holding {self.store.local} ({err.strerror}): the checkpoint "
-                    f"takes {state_bytes(state) / 2**20:.1f} MiB, {free / 2**20:.1f} MiB is free there; free "
-                    "space or give that directory a bigger disk (run_dir; run_local for a run in S3)")
+            return (f"{no_space(self.store.local, err)}: the checkpoint takes {state_bytes(state) / 2**20:.1f} MiB, "
+                    f"{free / 2**20:.1f} MiB is free there; free space or give that directory a bigger disk (run_dir; "
+                    "run_local for a run in S3)")
         self.saved_step = step
         self.write_s = time.perf_counter() - began
         return None

@@ -34,7 +34,6 @@ To move to a new streaming version: read those names in its source, run the fast
 training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
 """
 
-import errno
 import os
 import shutil
 import threading
@@ -66,7 +65,7 @@ from streaming.base.spanner import Spanner  # noqa: F401  (lean_spanner.py)
 from streaming.base.world import World  # noqa: F401  (tests)
 from torch.utils.data import get_worker_info
 
-from tokstream.errors import NoSpace, UserError, out_of_space
+from tokstream.errors import NoSpace, UserError, no_space, out_of_space
 from tokstream.format import index_shards
 
 CHECKED_VERSIONS = ("0.13.0",)
@@ -277,7 +276,7 @@ class WindowedDownloadAhead(StreamingDataset):
         if not os.path.isdir(cache) or os.path.exists(os.path.join(cache, shard.file_pairs[0][0].basename)):
             return  # nothing fetched yet (streaming makes the directory), or nothing to fetch
         block = os.statvfs(cache).f_frsize  # a file takes whole blocks of the disk
-        sizes = -(-np.array([s.get_max_size() for s in self.shards], np.int64) // block) * block
+        sizes = -(-self._shard_sizes() // block) * block
         while True:
             free = shutil.disk_usage(cache).free
             # Room for one more download than is in flight: the other thread of this reader may start
@@ -293,9 +292,19 @@ class WindowedDownloadAhead(StreamingDataset):
                 raise NoSpace(self._cache_full(shard_id))
             return  # room for this shard, if not for every download in flight: try
 
+    def _shard_sizes(self) -> np.ndarray:
+        """Each shard's most bytes in the cache (raw, and compressed while it is unpacked), made once."""
+        if getattr(self, "_shard_max_sizes", None) is None:
+            self._shard_max_sizes = np.array([s.get_max_size() for s in self.shards], np.int64)
+        return self._shard_max_sizes
+
+    def _cache_lock(self, timeout: float = -1) -> FileLock:
+        """Stock's cache lock, as its own calls make it: a new one on the same file (flock excludes it)."""
+        return PromptFileLock(self._cache_filelock_path, timeout=timeout)
+
     def _evicted_coldest(self) -> bool:
         """Evict the least recently used local shard; False if none is local."""
-        with PromptFileLock(self._cache_filelock_path):  # stock's cache lock, as its own calls make it
+        with self._cache_lock():
             if not (self._shard_states.numpy() == _LOCAL).any():
                 return False
             self._evict_coldest_shard()
@@ -311,7 +320,7 @@ class WindowedDownloadAhead(StreamingDataset):
         # nothing. Stock's eviction can raise with the lock still held by this thread, through another
         # file descriptor, which would wait forever: a timeout leaves the shard as stock would.
         try:
-            with PromptFileLock(self._cache_filelock_path, timeout=10):  # stock's cache lock
+            with self._cache_lock(timeout=10):
                 if self._shard_states[shard_id] == _PREPARING:
                     self._shard_states[shard_id] = _REMOTE
         except Timeout:
@@ -330,7 +339,8 @@ class WindowedDownloadAhead(StreamingDataset):
         shard = self.shards[shard_id]
         cache = os.path.join(shard.dirname, shard.split)
         free = shutil.disk_usage(cache).free
-        largest = max(s.get_max_size() for s in self.shards)
+        sizes = self._shard_sizes()
+        largest = int(sizes.max())
         # What this dataset holds there and what is left, less the other splits' shards still to come
         # (each split is a dataset of its own, with its own cache_limit: one that finds the disk full
         # has none of the others' shards to evict), less what the cache takes beyond its limit: a shard
@@ -343,9 +353,8 @@ class WindowedDownloadAhead(StreamingDataset):
                 "then evicted to stay under it, leaving room for the other splits and the downloads in flight), "
                 "or point data.local at a bigger disk"
                 if limit >= 4 * largest else "point data.local at a bigger disk")  # streaming's lowest limit
-        return (f"no space left on the device holding the data cache {cache} ({os.strerror(errno.ENOSPC)}): a "
-                f"shard of {size_setting(shard.get_max_size())} did not fit in the {size_setting(free)} free there; "
-                f"{hint}")
+        return (f"{no_space(f'the data cache {cache}')}: a shard of {size_setting(int(sizes[shard_id]))} did not "
+                f"fit in the {size_setting(free)} free there; {hint}")
 
     def _other_splits_to_fetch(self) -> int:
         """Bytes the other splits (val; train, seen from val) of this dataset's sources will take in the

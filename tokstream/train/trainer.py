@@ -15,7 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from tokstream.errors import out_of_space
+from tokstream.errors import no_space, out_of_space
 from tokstream.train import data
 from tokstream.train.batch_plan import BatchPlan
 from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
@@ -245,9 +245,8 @@ def check_grace(run: Run, step_s: float) -> str:
         if not out_of_space(err):
             raise
         # A warning, as for a periodic save that fails: space may be freed before the next save.
-        return (f"warning: no space left on the device holding {run.store.local} ({err.strerror}) for a 16 MiB "
-                f"write probe: checkpoints ({state_bytes(state) / 2**20:.1f} MiB each) cannot be saved until "
-                "space is freed there")
+        return (f"warning: {no_space(run.store.local, err)} for a 16 MiB write probe: checkpoints "
+                f"({state_bytes(state) / 2**20:.1f} MiB each) cannot be saved until space is freed there")
     save_s = state_bytes(state) / rate
     return budget_line(step_s, save_s, run.config.background_checkpoints, run.config.preempt_grace_s)[1]
 
