@@ -92,6 +92,38 @@ def test_a_conversion_that_fills_the_disk_keeps_its_work_and_resumes_to_the_same
 
 
 @SMALL_DISK
+def test_a_conversion_in_parts_that_fills_the_disk_removes_the_unfinished_part_and_reruns_to_the_same_bytes(tmp_path):
+    """Parts resume by part, not within one: the part that met the full disk is removed (that finished
+    parts stay is test_text_to_mds's kill test), and the rerun after space was freed converts it and
+    merges to a clean run's bytes. numpy's tofile had raised a short write without ENOSPC's errno."""
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    lines = tagged_lines(tmp_path / "lines.txt", 2).read_text().splitlines(keepends=True)
+    for index in range(2):
+        (inputs / f"part{index}.txt").write_text("".join(lines[index::2]))
+    args = [inputs, "--doc-per", "line", "--block-size", "64", "--shard-size", "64kb", "--num-workers", "1",
+            "--no-progress", "--num-parts", "2"]
+    disk = tmp_path / "disk"
+    out = disk / "out"
+    result = on_a_small_disk(disk, "1000k", f"""
+        {converter("convert/text_to_mds.py", *args, "--out", out)} 2> {tmp_path}/full.err; echo $? > {tmp_path}/full.rc
+        echo "$(ls -A {out}.parts)" > {tmp_path}/parts.txt
+        mount -o remount,size=16m {disk}
+        {converter("convert/text_to_mds.py", *args, "--out", out)} > {tmp_path}/rerun.out 2>&1 && cp -r {out} {tmp_path}/out""")
+    assert result.returncode == 0, result.stderr + (tmp_path / "rerun.out").read_text()
+    error = (tmp_path / "full.err").read_text()
+    assert (tmp_path / "full.rc").read_text().strip() == "2" and len(error.strip().splitlines()) == 1, error
+    assert error.startswith(f"error: no space left on the device holding {out}.parts/part-0000"), error
+    assert error.strip().endswith("(No space left on device): the unfinished output was removed; free space (or "
+                                  "choose another --out) and run the command again"), error
+    assert not [name for name in (tmp_path / "parts.txt").read_text().split() if name.endswith(".partial")]
+
+    clean = run_script("convert/text_to_mds.py", *args, "--out", tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr
+    assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "clean")
+
+
+@SMALL_DISK
 def test_a_conversion_to_s3_whose_staging_disk_fills_keeps_its_uploads_and_resumes_to_the_same_bytes(proxy, tmp_path):
     """Shards wait in --staging for their upload. That disk filling up (by another writer, once the
     conversion has saved a state) is one line naming it; the objects uploaded so far stay, and the

@@ -100,10 +100,12 @@ def convert_part(source: DocumentSource, part: int, num_parts: int, out: str, to
             for name, ids, lengths, prints in (("train", batch.train, batch.train_lengths, batch.train_prints),
                                                ("val", batch.val, batch.val_lengths, batch.val_prints)):
                 if len(lengths):
-                    ids.tofile(tokens[name])
+                    # write(), not ndarray.tofile: its short write raises an OSError without the errno
+                    # that says the disk is full
+                    tokens[name].write(ids.tobytes())
                     record = np.empty(len(lengths), DOC_RECORD)
                     record["fingerprint"], record["tokens"] = prints, lengths
-                    record.tofile(records[name])
+                    records[name].write(record.tobytes())
         for handle in [*tokens.values(), *records.values()]:
             handle.close()
         report = {"invalid_utf8_documents_replaced": counters.read.invalid_utf8_docs,
