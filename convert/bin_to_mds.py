@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 
 from tokstream.cli import add_output_arguments, output_options, summary  # noqa: E402
 from tokstream.errors import UserError, run_cli  # noqa: E402
+from tokstream.output_guard import check_output_location, conversion_lock  # noqa: E402
 from tokstream.remote_token_files import expand_url, is_url  # noqa: E402
 from tokstream.token_conversion import Vocabulary, convert_token_files  # noqa: E402
 from tokstream.token_files import FORMATS, LLMC_LLAMA3_MAGIC, open_token_file  # noqa: E402
@@ -86,7 +87,9 @@ def main() -> None:
             raise UserError("--val with --split val: name the other split with --split")
         files["val"] = open_inputs(args.val, args.format)
     first_files = [split_files[0] for split_files in files.values()]  # a URL's header is a request: one per split
-    metadata = convert_token_files(files, args.out, vocabulary(args, first_files), options)
+    check_output_location(args.out, [f.path for split_files in files.values() for f in split_files])
+    with conversion_lock(args.out, args.staging):
+        metadata = convert_token_files(files, args.out, vocabulary(args, first_files), options)
     print(summary(metadata, args.out, time.monotonic() - started))
 
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
 from tokstream.train.metrics import read_records  # noqa: E402
 
-DEMO = ROOT / "demo"
+DEMO = Path(os.environ.get("TOKSTREAM_DEMO_DIR", ROOT / "demo"))  # where it writes (tests: a temporary folder)
 CORPUS = ROOT.parent / "shared" / "corpora" / "tinyshakespeare.txt"
 STEPS = 30
 

@@ -211,18 +211,38 @@ def once_per_test_run(tmp_path_factory, name: str, compute):
     """compute() once per test run, its JSON shared by pytest-xdist's test processes (each would
     otherwise compute it, side by side on the same cores); each process's own dataset is built
     the same, byte for byte."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set by xdist in its test processes, one per run
-    if run is None:
+    folder = xdist_shared_folder(tmp_path_factory)
+    if folder is None:
         return compute()
     from filelock import FileLock
 
-    folder = tmp_path_factory.getbasetemp().parent / f"shared-{run}"  # the parent of every process's own
-    folder.mkdir(exist_ok=True)
     with FileLock(folder / f"{name}.lock"):
         path = folder / f"{name}.json"
         if not path.exists():
             path.write_text(json.dumps(compute()))
         return json.loads(path.read_text())
+
+
+def xdist_shared_folder(tmp_path_factory) -> Path | None:
+    """A folder every pytest-xdist test process of this run shares; None without xdist."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set by xdist in its test processes, one per run
+    if run is None:
+        return None
+    folder = tmp_path_factory.getbasetemp().parent / f"shared-{run}"  # the parent of every process's own
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def stock(tmp_path_factory):
+    """Stock streaming as shipped, in a process of its own (tests/stock_streaming.py), its results kept
+    for the test run."""
+    from stock_streaming import StockStreaming
+
+    shared = xdist_shared_folder(tmp_path_factory)
+    server = StockStreaming((shared or tmp_path_factory.getbasetemp()) / "stock-streaming")
+    yield server
+    server.close()
 
 
 # A real S3 endpoint for the tests: moto's server on 127.0.0.1, reached through a proxy that injects

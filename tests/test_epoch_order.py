@@ -1,7 +1,10 @@
 """tokstream/train/epoch_order.py against the streaming and numpy functions it stands in for: equal results.
 
 These replacements decide which samples an epoch holds and in which order, so "equal" is exact
-equality on random inputs, covering each path they take.
+equality on random inputs, covering each path they take. Single functions are compared with
+streaming's originals, kept by streaming_internals.py; a whole epoch's order, which in this process
+would run the project's replacements inside streaming's own batching, with streaming as shipped in
+a process of its own (tests/stock_streaming.py).
 """
 
 import warnings
@@ -12,9 +15,10 @@ import pytest
 from tokstream.train import epoch_order
 from tokstream.train.epoch_order import generate_work_random, get_sampling_vectorized, get_shuffle_py1e_fast
 from tokstream.train.epoch_order import permutation_tail
-from tokstream.train.streaming_internals import epoch_order_in_force, generate_work, generate_work_random_batching
+from tokstream.train.streaming_internals import epoch_order_in_force, generate_work
 from tokstream.train.streaming_internals import World, get_shuffle, stock_get_sampling
 from tokstream.train.streaming_internals import stock_get_shuffle_py1e as get_shuffle_py1e
+from stock_streaming import EveryOtherSample, configure, streaming_dataset
 
 
 def test_the_tail_of_numpys_permutation_drawn_alone_is_numpys():
@@ -115,65 +119,68 @@ def mds_streams(tmp_path_factory) -> list[str]:
 
 
 @pytest.mark.parametrize("chunk", [epoch_order.CHUNK, 97])  # 97: the lookups in many chunks, on threads
-def test_the_lean_random_batching_is_streamings_and_is_the_one_in_force(mds_streams, monkeypatch, chunk):
+def test_the_lean_random_batching_is_streamings_and_is_the_one_in_force(mds_streams, stock, monkeypatch, chunk):
     """The whole epoch's order as the local leader computes it (nodes, ranks, workers, batches), for mixtures
     weighted each way, every shuffle algorithm and none, resumed anywhere, on several nodes."""
-    from streaming import Stream, StreamingDataset
-
     assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_fast, generate_work_random)
     monkeypatch.setattr(epoch_order, "CHUNK", chunk)
     mixtures = [dict(local=mds_streams[2]),
-                dict(streams=[Stream(local=root, proportion=p) for root, p in zip(mds_streams, (0.5, 0.2, 0.3))],
+                dict(streams=[dict(local=root, proportion=p) for root, p in zip(mds_streams, (0.5, 0.2, 0.3))],
                      epoch_size=901),
-                dict(streams=[Stream(local=mds_streams[0], repeat=2.5), Stream(local=mds_streams[1], repeat=0.4)]),
-                dict(streams=[Stream(local=mds_streams[1], choose=50), Stream(local=mds_streams[2], choose=411)])]
+                dict(streams=[dict(local=mds_streams[0], repeat=2.5), dict(local=mds_streams[1], repeat=0.4)]),
+                dict(streams=[dict(local=mds_streams[1], choose=50), dict(local=mds_streams[2], choose=411)])]
     rng = np.random.default_rng(11)
     for mixture in mixtures:
-        dataset = StreamingDataset(batch_size=4, **mixture)
+        spec = dict(mixture, batch_size=4)
+        dataset = streaming_dataset(spec)
+        cases = []
         for _ in range(40):
             nodes = int(rng.choice([1, 1, 2, 4]))
-            dataset.num_canonical_nodes = nodes * int(rng.choice([1, 2, 8])) if rng.integers(2) else max(1, nodes // 2)
-            dataset.initial_physical_nodes = None if rng.integers(2) else int(rng.choice([1, 2, 4]))
-            dataset.shuffle = bool(rng.integers(4))
-            dataset.shuffle_algo = str(rng.choice(["py1e", "py1e", "py1s", "py1br", "py2s", "naive"]))
-            dataset.shuffle_seed, dataset.shuffle_block_size = int(rng.integers(0, 10**6)), int(rng.choice([7, 60, 1 << 18]))
-            dataset.batch_size = int(rng.integers(1, 9))
-            dataset.sampling_method = str(rng.choice(["balanced", "fixed"]))
-            world = World(nodes, int(rng.integers(1, 5)), int(rng.integers(1, 4)), 0)
-            epoch, sample_in_epoch = int(rng.integers(0, 3)), int(rng.integers(0, dataset.epoch_size + 5))
-            args = (dataset, world, epoch, sample_in_epoch)
-            expected = outcome(generate_work_random_batching, args)
-            got = outcome(lambda *a: generate_work(dataset.batching_method, *a), args)
-            if isinstance(expected, str):  # resumed past the end, canonical nodes that do not divide
-                assert got == expected
+            settings = dict(num_canonical_nodes=nodes * int(rng.choice([1, 2, 8])) if rng.integers(2) else max(1, nodes // 2),
+                            initial_physical_nodes=None if rng.integers(2) else int(rng.choice([1, 2, 4])),
+                            shuffle=bool(rng.integers(4)),
+                            shuffle_algo=str(rng.choice(["py1e", "py1e", "py1s", "py1br", "py2s", "naive"])),
+                            shuffle_seed=int(rng.integers(0, 10**6)), shuffle_block_size=int(rng.choice([7, 60, 1 << 18])),
+                            batch_size=int(rng.integers(1, 9)), sampling_method=str(rng.choice(["balanced", "fixed"])))
+            world = [nodes, int(rng.integers(1, 5)), int(rng.integers(1, 4)), 0]
+            cases.append(dict(settings=settings, world=world, epoch=int(rng.integers(0, 3)),
+                              sample_in_epoch=int(rng.integers(0, dataset.epoch_size + 5))))
+        resamples = [dict(settings=dict(settings, sampling_method=method), epoch=epoch)
+                     for epoch, method in [(0, "balanced"), (1, "balanced"), (2, "fixed")]]
+        expected = stock.run("epoch_orders", mds_streams, spec=spec, cases=cases, resamples=resamples)
+        refused = 0
+        for index, case in enumerate(cases):
+            configure(dataset, case["settings"])
+            args = (dataset, World(*case["world"]), case["epoch"], case["sample_in_epoch"])
+            got, stocks = outcome(lambda *a: generate_work(dataset.batching_method, *a), args), expected[f"work{index}"]
+            if stocks.dtype.kind == "U":  # resumed past the end, canonical nodes that do not divide
+                assert isinstance(got, str) and got == str(stocks), case
+                refused += 1
                 continue
-            np.testing.assert_array_equal(got, expected, err_msg=str(mixture) + str(vars(world)))
-            assert got.dtype == expected.dtype
-        for epoch, method in [(0, "balanced"), (1, "balanced"), (2, "fixed")]:
-            dataset.sampling_method = method
-            units, shards = epoch_order.resampled_shards(dataset, epoch)
-            stock_units, stock_ids = dataset.resample_streams(epoch)
-            np.testing.assert_array_equal(units, stock_units)
-            np.testing.assert_array_equal(epoch_order.resampled_sample_ids(dataset, epoch, shards), stock_ids)
+            np.testing.assert_array_equal(got, stocks, err_msg=str(mixture) + str(case))
+            assert got.dtype == stocks.dtype
+        assert refused < len(cases) // 2  # most cases are orders, compared
+        for index, resample in enumerate(resamples):
+            configure(dataset, resample["settings"])
+            units, shards = epoch_order.resampled_shards(dataset, resample["epoch"])
+            np.testing.assert_array_equal(units, expected[f"units{index}"])
+            np.testing.assert_array_equal(epoch_order.resampled_sample_ids(dataset, resample["epoch"], shards),
+                                          expected[f"ids{index}"])
         del dataset
 
 
-def test_a_subclasss_own_resampling_is_the_one_the_epoch_order_uses(mds_streams):
+def test_a_subclasss_own_resampling_is_the_one_the_epoch_order_uses(mds_streams, stock):
     """streaming's batching asks the dataset to resample (`resample_streams`); a subclass may do it its own way."""
-    from streaming import StreamingDataset
-
-    class EveryOtherSample(StreamingDataset):
-        def resample_streams(self, epoch, stream_id=None):
-            units, sample_ids = super().resample_streams(epoch, stream_id)
-            return units, sample_ids // 2 * 2
-
-    dataset = EveryOtherSample(local=mds_streams[2], batch_size=4, shuffle=True, num_canonical_nodes=2,
-                               shuffle_block_size=60)
-    for world in (World(1, 2, 2, 0), World(2, 1, 3, 0)):
-        args = (dataset, world, 1, 5)
-        expected = generate_work_random_batching(*args)
-        np.testing.assert_array_equal(generate_work(dataset.batching_method, *args), expected)
-        assert set(expected[expected >= 0].ravel() % 2) == {0}
+    spec = dict(local=mds_streams[2], batch_size=4, shuffle=True, num_canonical_nodes=2, shuffle_block_size=60)
+    dataset = streaming_dataset(spec, EveryOtherSample)
+    cases = [dict(settings={}, world=world, epoch=1, sample_in_epoch=5) for world in ([1, 2, 2, 0], [2, 1, 3, 0])]
+    expected = stock.run("epoch_orders", [mds_streams[2]], spec=spec, cases=cases, resamples=[],
+                         dataset_class="EveryOtherSample")
+    for index, case in enumerate(cases):
+        stocks = expected[f"work{index}"]
+        np.testing.assert_array_equal(generate_work(dataset.batching_method, dataset, World(*case["world"]),
+                                                    case["epoch"], case["sample_in_epoch"]), stocks)
+        assert set(stocks[stocks >= 0].ravel() % 2) == {0}
     del dataset
 
 

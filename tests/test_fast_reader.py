@@ -2,9 +2,12 @@
 
 Same samples, same order, for several seeds, worker counts and resume points; under a small
 cache_limit with a remote dataset (shards evicted and fetched again) the samples stay exact.
+Stock's batches come from streaming as shipped, in a process of its own (tests/stock_streaming.py):
+this one has the project's replacements installed in streaming.
 """
 
 import gc
+import json
 import os
 import shutil
 import signal
@@ -42,23 +45,15 @@ def fresh_copy(dataset, tmp_path, name):
     return target
 
 
-def stock_loader(root, seed: int, workers: int, shuffle_block_size: int | None = None):
-    from streaming import StreamingDataLoader, StreamingDataset
-
-    ds = StreamingDataset(local=str(root), split="train", shuffle=True, shuffle_seed=seed, num_canonical_nodes=1,
-                          batch_size=BATCH, shuffle_block_size=shuffle_block_size)
-    return StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers, drop_last=True)
+def stock_run(stock, dataset, seed: int, workers: int, **run) -> dict[str, np.ndarray]:
+    """Stock StreamingDataset + StreamingDataLoader over the dataset (stock_streaming.loader_batches)."""
+    return stock.run("loader_batches", [dataset], root=str(dataset), seed=seed, workers=workers, batch_size=BATCH,
+                     **run)
 
 
-def stock_batches(root, seed: int, workers: int, state: dict | None = None, shuffle_block_size: int | None = None,
-                  epochs: int = 1):
-    loader = stock_loader(root, seed, workers, shuffle_block_size)
-    if state:
-        loader.load_state_dict(state)
-    out = [batch["tokens"].numpy().copy() for _ in range(epochs) for batch in loader]
-    del loader
-    gc.collect()
-    return out
+def stock_batches(stock, dataset, seed: int, workers: int, **run) -> np.ndarray:
+    """Stock's token batches, stacked."""
+    return stock_run(stock, dataset, seed, workers, **run)["tokens"]
 
 
 def project_loader(root, seed: int, workers: int, reuse_slots: bool = False, **data):
@@ -67,35 +62,35 @@ def project_loader(root, seed: int, workers: int, reuse_slots: bool = False, **d
 
 
 @pytest.mark.parametrize("seed, workers", [(1, 0), (424242, 0)])  # with workers: below
-def test_same_samples_same_order_as_stock(dataset, tmp_path, seed, workers):
-    expected = stock_batches(fresh_copy(dataset, tmp_path, "stock"), seed, workers)
+def test_same_samples_same_order_as_stock(dataset, tmp_path, stock, seed, workers):
+    expected = stock_batches(stock, dataset, seed, workers)
     loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), seed, workers)
     got = [batch["tokens"].numpy().copy() for batch in loader]
     assert loader.dataset.num_samples > 4000 and len(got) == len(expected)
     assert got[0].dtype == np.uint16  # stays narrow until the device
-    np.testing.assert_array_equal(np.concatenate(got), np.concatenate(expected))
+    np.testing.assert_array_equal(np.stack(got), expected)
 
 
 @pytest.mark.parametrize("workers, transfer_samples, ring", [(1, 256, True), (2, 8, False), (2, 8, True),
                                                              (3, 24, True), (8, 40, False)])  # 2 at 256: resume
-def test_workers_sending_several_batches_at_once_keep_stocks_order(dataset, tmp_path, monkeypatch, workers,
+def test_workers_sending_several_batches_at_once_keep_stocks_order(dataset, tmp_path, stock, monkeypatch, workers,
                                                                     transfer_samples, ring):
     """Workers hand over several micro-batches per transfer (token_loader.py), pickled or written into
     the shared ring training uses (transfer_ring.py); the rank must still yield stock's micro-batches
     in stock's order, over two epochs, including each worker's last, short transfer (3 and 8
     workers leave the workers' shares uneven, so some run out a round early)."""
     monkeypatch.setattr(token_loader, "TRANSFER_SAMPLES", transfer_samples)
-    expected = stock_batches(fresh_copy(dataset, tmp_path, "stock"), 5, workers, epochs=2)
+    expected = stock_batches(stock, dataset, 5, workers, epochs=2)
     loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), 5, workers, reuse_slots=ring)
     got = [batch["tokens"].numpy().copy() for _ in range(2) for batch in loader]
     del loader
     gc.collect()
     assert len(got) == len(expected) > 1000
-    np.testing.assert_array_equal(np.stack(got), np.stack(expected))
+    np.testing.assert_array_equal(np.stack(got), expected)
 
 
 @pytest.mark.parametrize("workers, transfer_samples", [(1, 8), (3, 24)])
-def test_a_ring_slot_is_rewritten_only_after_a_round_more_was_yielded(dataset, tmp_path, monkeypatch, workers,
+def test_a_ring_slot_is_rewritten_only_after_a_round_more_was_yielded(dataset, tmp_path, stock, monkeypatch, workers,
                                                                       transfer_samples):
     """With the ring, micro-batches are views of a few slots per worker, written once by the worker and
     never copied in the rank; each stays intact while the consumer takes one more round (a
@@ -103,7 +98,7 @@ def test_a_ring_slot_is_rewritten_only_after_a_round_more_was_yielded(dataset, t
     device before asking for the next. Workers far ahead wait for their slots (the epoch has far
     more transfers than slots)."""
     monkeypatch.setattr(token_loader, "TRANSFER_SAMPLES", transfer_samples)
-    expected = stock_batches(fresh_copy(dataset, tmp_path, "stock"), 9, workers)
+    expected = stock_batches(stock, dataset, 9, workers)
     loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), 9, workers, reuse_slots=True)
     window = workers * transfer_samples // BATCH  # micro-batches in a round
     held, pointers = [], set()
@@ -119,10 +114,10 @@ def test_a_ring_slot_is_rewritten_only_after_a_round_more_was_yielded(dataset, t
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the ring's CUDA registration")
-def test_on_a_gpu_worker_batches_land_pinned_in_the_ring_and_reach_the_device_exact(dataset, tmp_path):
+def test_on_a_gpu_worker_batches_land_pinned_in_the_ring_and_reach_the_device_exact(dataset, tmp_path, stock):
     """Training's path on a GPU: pinned where the worker wrote them (a few slots' addresses, so no
     pinning copy per transfer), and the device gets stock's tokens, copied without blocking."""
-    expected = stock_batches(fresh_copy(dataset, tmp_path, "stock"), 5, 2)
+    expected = stock_batches(stock, dataset, 5, 2)
     config = DataConfig(remote=str(fresh_copy(dataset, tmp_path, "ours")), shuffle_seed=5, num_workers=2)
     loader = make_loader(config, "train", BATCH, shuffle=True, pin_memory=True, reuse_slots=True)
     inputs, pointers = [], set()
@@ -131,7 +126,7 @@ def test_on_a_gpu_worker_batches_land_pinned_in_the_ring_and_reach_the_device_ex
         pointers.add(batch["tokens"].data_ptr())
         inputs.append(to_device(batch, torch.device("cuda"))[0])
     assert len(inputs) == len(expected) and len(pointers) <= 2 * (2 + 3) * token_loader.TRANSFER_SAMPLES // BATCH
-    np.testing.assert_array_equal(torch.stack(inputs).cpu().numpy(), np.stack(expected)[:, :, :-1].astype(np.int64))
+    np.testing.assert_array_equal(torch.stack(inputs).cpu().numpy(), expected[:, :, :-1].astype(np.int64))
 
 
 class UnevenShares(torch.utils.data.IterableDataset):
@@ -169,53 +164,53 @@ def test_transfers_follow_the_dataloaders_round_order_when_workers_run_out_round
 
 @pytest.mark.parametrize("workers, epoch, ring", [(0, 5, False), (0, 21, False), (3, 21, False), (3, 21, True),
                                                  (3, 45, True)])
-def test_an_epoch_smaller_than_a_batch_or_a_round_of_workers_gives_stocks_batches(dataset, tmp_path, workers, epoch,
-                                                                                  ring):
+def test_an_epoch_smaller_than_a_batch_or_a_round_of_workers_gives_stocks_batches(dataset, tmp_path, stock, workers,
+                                                                                  epoch, ring):
     """Epochs of fewer samples than a batch, or than one batch per worker: some workers get no whole
-    micro-batch, or only a partial one to drop. Two epochs (a ring each), against stock."""
-    from streaming import Stream, StreamingDataLoader, StreamingDataset
-
-    stream = Stream(local=str(fresh_copy(dataset, tmp_path, "stock")), split="train", choose=epoch)
-    stock = StreamingDataLoader(StreamingDataset(streams=[stream], shuffle=True, shuffle_seed=2, num_canonical_nodes=1,
-                                                 batch_size=BATCH), batch_size=BATCH, num_workers=workers, drop_last=True)
-    expected = [batch["tokens"].numpy().copy() for _ in range(2) for batch in stock]
+    micro-batch, or only a partial one to drop (all of the epoch, at 5 samples). Two epochs (a ring
+    each), against stock."""
+    reference = stock_run(stock, dataset, 2, workers, epochs=2, choose=epoch)
     config = DataConfig(remote=str(fresh_copy(dataset, tmp_path, "ours")), shuffle_seed=2, num_workers=workers)
     loader = make_loader(config, "train", BATCH, shuffle=True, pin_memory=False, choose=[epoch], reuse_slots=ring)
     got = [batch["tokens"].numpy().copy() for _ in range(2) for batch in loader]
-    del stock, loader
+    epoch_size = loader.dataset.epoch_size
+    del loader
     gc.collect()
-    assert len(got) == len(expected) == 2 * (epoch // BATCH)  # the partial batch dropped, none lost
-    if got:
-        np.testing.assert_array_equal(np.stack(got), np.stack(expected))
+    # Both epochs hold `epoch` samples, so what is not yielded is the partial batch, dropped, as stock does.
+    assert epoch_size == int(reference["epoch_size"]) == epoch
+    assert len(got) == len(reference["tokens"]) == 2 * (epoch // BATCH)
+    if epoch >= BATCH:
+        np.testing.assert_array_equal(np.stack(got), reference["tokens"])
 
 
 @pytest.mark.parametrize("workers, resume_workers, resume_after", [(2, 2, 45), (3, 1, 7), (1, 3, 200)])
-def test_a_checkpoint_between_transfers_resumes_like_stock(dataset, tmp_path, workers, resume_after, resume_workers):
+def test_a_checkpoint_between_transfers_resumes_like_stock(dataset, tmp_path, stock, workers, resume_after,
+                                                           resume_workers):
     """The state after any micro-batch is stock's after the same micro-batches, whatever the workers had
     read ahead, and a relaunch (with another worker count) continues as stock does from it. The first
     run reads through the ring (as training does), the relaunch without it."""
     loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), 11, workers, reuse_slots=True)
-    stock = stock_loader(fresh_copy(dataset, tmp_path, "stock"), 11, workers)
-    ours_it, stock_it = iter(loader), iter(stock)
-    for _ in range(resume_after):
-        np.testing.assert_array_equal(next(ours_it)["tokens"].numpy(), next(stock_it)["tokens"].numpy())
+    ours_it = iter(loader)
+    first = [next(ours_it)["tokens"].numpy().copy() for _ in range(resume_after)]
     state = loader.state_dict()
-    assert state == stock.state_dict() and state["sample_in_epoch"] == resume_after * BATCH
-    del ours_it, stock_it, loader, stock
+    del ours_it, loader
     gc.collect()
+    reference = stock_run(stock, dataset, 11, workers, stop_after=resume_after)
+    np.testing.assert_array_equal(np.stack(first), reference["tokens"])
+    assert state == json.loads(str(reference["state"])) and state["sample_in_epoch"] == resume_after * BATCH
 
     resumed = project_loader(fresh_copy(dataset, tmp_path, "ours2"), 11, resume_workers)
     resumed.load_state_dict(state)
     got = [batch["tokens"].numpy().copy() for batch in resumed]
     del resumed
     gc.collect()
-    expected = stock_batches(fresh_copy(dataset, tmp_path, "stock2"), 11, resume_workers, state=state)
+    expected = stock_batches(stock, dataset, 11, resume_workers, state=state)
     assert len(got) == len(expected) > 0
-    np.testing.assert_array_equal(np.stack(got), np.stack(expected))
+    np.testing.assert_array_equal(np.stack(got), expected)
 
 
 @pytest.mark.parametrize("resume_after", [1, 57, 300])
-def test_resume_points_continue_like_stock(dataset, tmp_path, resume_after):
+def test_resume_points_continue_like_stock(dataset, tmp_path, stock, resume_after):
     loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), 7, 0)
     iterator = iter(loader)
     for _ in range(resume_after):
@@ -229,9 +224,9 @@ def test_resume_points_continue_like_stock(dataset, tmp_path, resume_after):
     got = [batch["tokens"].numpy().copy() for batch in resumed]
     del resumed
     gc.collect()
-    expected = stock_batches(fresh_copy(dataset, tmp_path, "stock"), 7, 0, state=state)
+    expected = stock_batches(stock, dataset, 7, 0, state=state)
     assert len(got) == len(expected) > 0
-    np.testing.assert_array_equal(np.concatenate(got), np.concatenate(expected))
+    np.testing.assert_array_equal(np.stack(got), expected)
 
 
 def test_streamings_file_locks_are_prompt_ones_and_still_exclude(dataset, tmp_path):
@@ -261,7 +256,7 @@ def mapped_deleted_files(directory: Path) -> set[str]:
     return {line.split(maxsplit=5)[5] for line in maps if str(directory) in line and line.endswith("(deleted)")}
 
 
-def test_eviction_under_a_small_cache_limit_keeps_samples_exact(dataset, tmp_path):
+def test_eviction_under_a_small_cache_limit_keeps_samples_exact(dataset, tmp_path, stock):
     """From S3 on loopback with a cache far smaller than the 11 shards: shards are evicted and fetched again."""
     from tokstream.object_store import S3Dataset
     from tokstream.testing.loopback_s3 import start_loopback_s3
@@ -275,8 +270,7 @@ def test_eviction_under_a_small_cache_limit_keeps_samples_exact(dataset, tmp_pat
                 store.upload(path, path.relative_to(dataset).as_posix())
         shards = len(list((dataset / "train").glob("shard.*")))
         # Shuffle blocks of ~2 shards: the cache cycles through the dataset instead of thrashing.
-        expected = np.concatenate(stock_batches(fresh_copy(dataset, tmp_path, "stock"), 3, 0,
-                                                shuffle_block_size=1000))
+        expected = np.concatenate(stock_batches(stock, dataset, 3, 0, shuffle_block_size=1000))
 
         cache = tmp_path / "cache"
         config = DataConfig(remote="s3://evict/ds", local=str(cache), shuffle_seed=3, num_workers=0,
@@ -299,7 +293,6 @@ def test_eviction_under_a_small_cache_limit_keeps_samples_exact(dataset, tmp_pat
         server.stop()
         os.environ.clear()
         os.environ.update(saved)
-    assert torch is not None
 
 
 def test_a_shard_whose_download_failed_is_fetched_again_not_waited_for_forever(dataset, tmp_path):

@@ -7,21 +7,26 @@ different 7 each epoch), books 13 (a different 13 each epoch), the per-epoch res
 streaming has had resumption bugs. A run of 16 steps (epochs of 5 steps: 3 epoch ends, a checkpoint
 at each) is interrupted five ways, in random order at random steps: SIGTERM to torchrun, SIGUSR1 to one rank,
 SIGTERM during an evaluation, SIGKILL right after an epoch-end checkpoint, SIGKILL while a
-checkpoint is being uploaded. The first two launches keep the uninterrupted run's settings (2 ranks
-x 4 samples; the second with DataLoader workers and deterministic=true, the GPU setting, which must
-not change a CPU run); from then on each relaunch switches between 1 rank and 2 (both directions)
-with a random micro-batch. Dataset and run_dir are in S3 (moto's server behind the test proxy, which
-can hold an upload for the kill). A launch after a SIGTERM starts on a new machine, with an empty
-data cache and run_local; a
-launch after a SIGKILL (node-level kill, cgroup OOM) on the killed run's machine, where its cache,
+checkpoint is being uploaded. Launches keep the uninterrupted run's settings (2 ranks x 4 samples;
+after the first, with DataLoader workers and deterministic=true, the GPU setting, which must not
+change a CPU run) until one has resumed on them and trained on: the second, or the third where a
+kill during an upload left the second nothing to resume from or undid its steps. From then on each
+relaunch switches between 1 rank and 2 (both directions) with a random micro-batch. Dataset and
+run_dir are in S3 (moto's server behind the test proxy, which can hold an upload for the kill). A
+launch after a SIGTERM starts on a new machine, with an empty data cache and run_local; a launch
+after a SIGKILL (node-level kill, cgroup OOM) on the killed run's machine, where its cache,
 run_local and streaming's shared memory were left behind: the stale blocks, which make stock
 streaming refuse to start ("Reused local directory"), must be removed at start. (That another job's
 blocks stay, and a stale block another process maps goes: test_training.py, test_stale_shm.py.)
 
 Per step, the interrupted run must consume the uninterrupted run's samples (per rank while on 2
-ranks) and count the same samples per source, with its learning rate exactly, and its loss bitwise while the settings are the
-reference's and to float rounding after (the reduction order changes). The seed is printed;
-TOKSTREAM_INTERRUPTION_SEED=N repeats a schedule.
+ranks) and count the same samples per source, with its learning rate exactly. Its loss must be
+bitwise on every step trained on the reference's world size and micro-batch (workers and
+deterministic=true change no bit), from step 1 up to the first step trained on other settings: those
+sum the gradients in another order (one rank's micro-batches instead of two ranks' all-reduce, or
+other micro-batches' means), so from there on the weights differ in their last bits, and the losses
+are compared to float rounding, even where a later launch is back on the reference's settings. The
+seed is printed; TOKSTREAM_INTERRUPTION_SEED=N repeats a schedule.
 """
 
 import os
@@ -38,7 +43,7 @@ from test_training import BASE, launch, metrics, tiny_splits, train, wait_for
 from tokstream.errors import UserError
 from tokstream.object_store import S3Dataset
 from tokstream.testing.processes import kill_tree, worker_pids
-from tokstream.train.checkpoint import latest_step
+from tokstream.train.checkpoint_files import latest_step
 from tokstream.train.metrics import METRICS_FILE
 from tokstream.train.run_store import S3RunStore
 
@@ -68,13 +73,16 @@ def mixture(roots: dict[str, str]) -> list[str]:
     return [f"data.streams=[{streams}]"]
 
 
-def launch_settings(number: int, ranks: int, rng: random.Random) -> list[str]:
-    """A relaunch's settings: the reference's for the first two, then a random micro-batch."""
-    if number == 0:
-        return ["micro_batch_size=4"]
-    if number == 1:
-        return ["micro_batch_size=4", "data.num_workers=2", "deterministic=true"]
+def launch_settings(number: int, ranks: int, on_reference: bool, rng: random.Random) -> list[str]:
+    """A launch's settings: the reference's (with workers and deterministic=true after the first), or a
+    random micro-batch."""
+    if on_reference:
+        return ["micro_batch_size=4"] + (["data.num_workers=2", "deterministic=true"] if number else [])
     return [f"micro_batch_size={rng.choice(MICRO_BATCHES[ranks])}"]
+
+
+def on_reference_settings(ranks: int, settings: list[str]) -> bool:
+    return ranks == 2 and "micro_batch_size=4" in settings
 
 
 def on_machine(machine) -> list[str]:
@@ -138,13 +146,15 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
     def latest() -> int:
         return latest_step(store) or 0
 
-    resume, ranks, bitwise_until, schedule = 0, 2, 0, []
+    resume, ranks, schedule = 0, 2, []
+    on_reference = True  # until a launch has resumed on the reference's settings and trained on
+    segments = []  # (first step, last step, on the reference's settings) of each launch's kept steps
     killed_on = None  # the machine a SIGKILL left its cache and shared memory on
     for number, kind in enumerate(rng.sample(KINDS, len(KINDS))):
         machine = killed_on or tmp_path / f"machine{number}"
         stale = blocks_naming(machine / "cache") if killed_on else {}
         assert stale or not killed_on, "the kill left no shared memory behind: the test no longer reproduces it"
-        settings = launch_settings(number, ranks, rng)
+        settings = launch_settings(number, ranks, on_reference, rng)
         at = {"SIGTERM during evaluation": resume + 2, "SIGKILL after an epoch-end checkpoint": next_epoch_end(resume),
               "SIGKILL during a checkpoint upload": next_epoch_end(resume)}.get(kind, resume + rng.randint(1, 2))
         if kind == "SIGTERM during evaluation":
@@ -193,9 +203,9 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
             assert stopped == at, where
         if kind == "SIGKILL during a checkpoint upload":
             assert stopped == resume and f"ckpt-{at:08d}.pt" not in store.names(), where  # never visible
-        if number < 2:
-            bitwise_until = stopped  # trained on the reference's own settings so far
-        resume, ranks = stopped, (2 if number == 0 else 3 - ranks)
+        segments.append((resume + 1, stopped, on_reference_settings(ranks, settings)))
+        on_reference = on_reference and not 0 < resume < stopped
+        resume, ranks = stopped, (2 if on_reference else 3 - ranks)
         killed_on = machine if kind.startswith("SIGKILL") else None
 
     refused_recipe(run_dir, data, tmp_path)
@@ -205,12 +215,15 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
     schedule.append(f"{ranks} rank(s), micro_batch_size={micro}, on "
                     f"{'the killed run' + chr(39) + 's machine' if stale else 'a new machine'}: to the end")
     output = train(ranks, None, run_dir, *data, *COMMON, f"micro_batch_size={micro}", *on_machine(machine))
+    segments.append((resume + 1, 16, on_reference_settings(ranks, [f"micro_batch_size={micro}"])))
     assert f"resumed from {run_dir}/ckpt-{resume:08d}.pt" in output
     if stale:
         relaunch_cleared(output, stale, schedule[-1])
 
     interrupted = metrics(run_dir)  # the copy uploaded with the final checkpoint
     print("\n".join(schedule))
+    bitwise = bitwise_steps(segments)
+    assert any(first > 1 for first, _, _ in segments if first in bitwise), "no resumed step compared bitwise"
     assert [m["step"] for m in interrupted] == [m["step"] for m in reference] == list(range(1, 17))
     for got, want in zip(interrupted, reference):
         where = f"seed {seed}, step {got['step']}:\n" + "\n".join(schedule)
@@ -219,10 +232,23 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
         if len(got["samples"]) == 2:
             assert got["samples"] == want["samples"], where
         assert got["lr"] == want["lr"], where
-        if got["step"] <= bitwise_until:
+        if got["step"] in bitwise:
             assert got["loss"] == want["loss"], where
         else:
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), where
+
+
+def bitwise_steps(segments: list[tuple[int, int, bool]]) -> set[int]:
+    """The steps whose losses must be bitwise: those of the launches on the reference's settings, up to
+    the first launch that kept a step trained on others."""
+    steps = set()
+    for first, last, on_reference in segments:
+        if first > last:  # none of its steps kept: a kill undid them
+            continue
+        if not on_reference:
+            break
+        steps.update(range(first, last + 1))
+    return steps
 
 
 def refused_recipe(run_dir: str, data: list[str], tmp_path) -> None:
@@ -233,7 +259,11 @@ def refused_recipe(run_dir: str, data: list[str], tmp_path) -> None:
     from tokstream.train.trainer import setup
 
     store = S3RunStore(run_dir, tmp_path / "reader")
-    before = store.names()
+
+    def files() -> list[str]:  # the run's: a killed job's stale LEASE is taken over, and given back
+        return [name for name in store.names() if name != "LEASE"]
+
+    before = files()
     changes = {
         "optim.lr=0.001": "optim.lr changed from 0.003 to 0.001 since the checkpoint: a resumed run keeps its "
                           "recipe; use a new run_dir, or add resume_allow=[optim.lr]",
@@ -248,7 +278,7 @@ def refused_recipe(run_dir: str, data: list[str], tmp_path) -> None:
                                                    f"data.local={tmp_path / 'refused'}", change])
         with pytest.raises(UserError, match=re.escape(refusal)):
             setup(config)
-    assert store.names() == before
+    assert files() == before and "LEASE" not in store.names()
 
 
 def check_the_mixture(reference: list[dict]) -> None:

@@ -13,6 +13,9 @@ STREAMING_PRIVATE = re.compile(
     r"_pack_locals|_unpack_locals|_shm_prefix_int|\._event\b|\bTICK\b|_shared_barrier|_cache_filelock|"
     r"_evict_coldest_shard"
 )
+# This test, and the stock reference process and its test, which check by these names that streaming is as shipped.
+NAMES_STREAMING_ON_PURPOSE = (ROOT / "tests/test_layout.py", ROOT / "tests/stock_streaming.py",
+                              ROOT / "tests/test_stock_streaming.py")
 SCRIPT_FOLDERS = ("convert", "train", "bench", "scripts")
 PATH_EDIT = re.compile(r"sys\.path\.(insert|append|extend|remove)\(|sys\.path\s*(\+)?=")
 ROOT_FIRST = ("sys.path.insert(0, str(ROOT))", "sys.path.insert(0, str(Path(__file__).resolve().parents[1]))")
@@ -25,7 +28,7 @@ def python_files() -> list:
 
 def test_streaming_internals_are_used_only_behind_the_fence():
     offenders = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
-                 for path in python_files() if path not in (FENCE, ROOT / "tests/test_layout.py")
+                 for path in python_files() if path not in (FENCE, *NAMES_STREAMING_ON_PURPOSE)
                  for number, line in enumerate(path.read_text().splitlines(), start=1)
                  if STREAMING_PRIVATE.search(line)]
     assert not offenders, "\n".join(offenders)

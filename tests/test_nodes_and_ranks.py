@@ -3,16 +3,17 @@
 node's shared memory), and every rank reads exactly its part of streaming's partition, over two
 epochs in-process and after a resume on fresh caches with 2 DataLoader workers per rank. Through
 training itself (train/main.py under one torchrun per node): a preemption notice to one node stops
-all four ranks at the same step, and the relaunched job trains on an uninterrupted run's samples.
+all four ranks at the same step, and the relaunched job repeats an uninterrupted run of the same
+two nodes bitwise.
 
 Each node runs in its own IPC and mount namespace with a /dev/shm of its own, as on separate
 machines; its ranks share it. The dataset is "remote" (a local directory), so each node copies the
 shards it reads into its own cache, as it would download them.
 """
 
-import gc
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -20,11 +21,12 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 import test_training as training
 from conftest import ROOT, namespaces_permitted
 
 from tokstream.testing.loopback_s3 import free_port
-from tokstream.train.checkpoint import latest_step
+from tokstream.train.checkpoint_files import checkpoint_name, latest_step
 from tokstream.train.run_store import LocalRunStore
 
 NODES, RANKS, BATCH = 2, 2, 4
@@ -90,19 +92,15 @@ def launch_node(node: int, port: int, dataset, node_dir) -> subprocess.Popen:
                             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE, text=True)
 
 
-def expected_reads(dataset, tmp_path) -> list[np.ndarray]:
-    """What each rank reads of each epoch, from streaming's partition for 2 nodes x 2 ranks x its workers."""
-    from streaming import StreamingDataset
-
-    from tokstream.train.streaming_internals import World, generate_work
-
-    ds = StreamingDataset(remote=str(dataset), local=str(tmp_path / "expected"), split="train", shuffle=True,
-                          shuffle_seed=9176, batch_size=BATCH, **SETTINGS)
-    parts = [generate_work(ds.batching_method, ds, World(NODES, RANKS, 1, 0), epoch, 0) for epoch in (0, 1)]
-    ds.initial_physical_nodes = NODES  # as the checkpoint's state sets it
-    parts.append(generate_work(ds.batching_method, ds, World(NODES, RANKS, 2, 0), 1, RESUME_AT))
-    del ds
-    gc.collect()
+def expected_reads(dataset, stock) -> list[np.ndarray]:
+    """What each rank reads of each epoch, from stock streaming's partition (as shipped, in a process of
+    its own) for 2 nodes x 2 ranks x its workers."""
+    spec = dict(local=str(dataset), split="train", shuffle=True, shuffle_seed=9176, batch_size=BATCH, **SETTINGS)
+    cases = [dict(settings={}, world=[NODES, RANKS, 1, 0], epoch=epoch, sample_in_epoch=0) for epoch in (0, 1)]
+    cases.append(dict(settings=dict(initial_physical_nodes=NODES),  # as the checkpoint's state sets it
+                      world=[NODES, RANKS, 2, 0], epoch=1, sample_in_epoch=RESUME_AT))
+    orders = stock.run("epoch_orders", [dataset], spec=spec, cases=cases, resamples=[])
+    parts = [orders[f"work{index}"] for index in range(len(cases))]
     return [[[rank_reads(part[node, rank]) for rank in range(RANKS)] for node in range(NODES)] for part in parts]
 
 
@@ -122,7 +120,8 @@ SEVERAL_NODES = pytest.mark.skipif(not namespaces_permitted(), reason="namespace
 
 
 @SEVERAL_NODES
-def test_two_nodes_of_two_ranks_compute_the_order_once_per_node_and_read_streamings_partition(dataset, tmp_path):
+def test_two_nodes_of_two_ranks_compute_the_order_once_per_node_and_read_streamings_partition(dataset, stock,
+                                                                                             tmp_path):
     port = free_port()
     node_dirs = [tmp_path / f"node{node}" for node in range(NODES)]
     nodes = []
@@ -141,7 +140,7 @@ def test_two_nodes_of_two_ranks_compute_the_order_once_per_node_and_read_streami
         assert computed[0][1] == computed[1][1] == rank_pid != computed[2][1]
         for cache in ("cache", "relaunch-cache"):  # each node fetched shards into its own caches
             assert list((node_dir / cache / "train").glob("shard.*.mds"))
-    for index, expected in enumerate(expected_reads(dataset, tmp_path)):
+    for index, expected in enumerate(expected_reads(dataset, stock)):
         read = []
         for node in range(NODES):
             for rank in range(RANKS):
@@ -162,38 +161,58 @@ def launch_training_node(node: int, port: int, dataset, run_dir, node_dir) -> su
                                 env=dict(os.environ, TMPDIR=str(node_dir / "tmp")))
 
 
+def final_tensors(run_dir) -> list:
+    """The final checkpoint's weights and Adam's state, in order: where a last-bit difference in any step's
+    reduction stays, when the losses, means over a step's tokens, often round it away."""
+    saved = torch.load(run_dir / checkpoint_name(training.STEPS), map_location="cpu", weights_only=True)
+    return [*saved["model"].values(), *(t for state in saved["optimizer"]["state"].values() for t in state.values())]
+
+
 @pytest.mark.long
 @SEVERAL_NODES
-def test_training_on_two_nodes_of_two_ranks_stops_together_and_resumes_on_the_reference_samples(reference, dataset,
-                                                                                               tmp_path):
+def test_training_on_two_nodes_of_two_ranks_stops_together_and_resumes_bitwise(reference, dataset, tmp_path):
     """A notice (SIGTERM) to node 1's torchrun: all four ranks checkpoint at the same step, and both
-    agents exit at once with the status a scheduler requeues on. Relaunched on fresh disks, the job
-    finishes; at every step the four ranks took exactly the samples of an uninterrupted run of one
-    node of two ranks (the same global batch, split 4 x 2 instead of 2 x 4), with its losses."""
-    run_dir = tmp_path / "run"
-    store = LocalRunStore(run_dir)
+    agents exit at once with the status a scheduler requeues on. Relaunched on the same two nodes (fresh
+    disks), the job finishes as an uninterrupted run of the two nodes did: per step, every rank's
+    samples, the loss bitwise, and in the end the weights and Adam's moments bitwise. Over four ranks the
+    all-reduce's sums depend on DDP's bucket layout, which a relaunch used to change for its first step
+    (trainer.settle_gradient_buckets); over two, a + b == b + a would hide it. The uninterrupted run also
+    takes, step by step, the samples of one node of two ranks (the same global batch, split 4 x 2 instead
+    of 2 x 4)."""
 
-    def job(launch: str) -> list[subprocess.Popen]:
+    def job(run_dir, launch: str) -> list[subprocess.Popen]:
         port = free_port()
         return [launch_training_node(node, port, dataset, run_dir, tmp_path / launch / f"node{node}")
                 for node in range(NODES)]
 
-    nodes = job("first")
+    def finished(nodes: list[subprocess.Popen]) -> list[str]:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+        assert all(node.returncode == 0 for node in nodes), "\n".join(o[-3000:] for o in outputs)
+        return outputs
+
+    uninterrupted = tmp_path / "uninterrupted"
+    finished(job(uninterrupted, "uninterrupted"))
+    expected = training.trained_steps(uninterrupted)
+    assert [step for step, *_ in expected] == list(range(1, training.STEPS + 1))
+    for (_, samples, _, _), (step, two_ranks, _, _) in zip(expected, reference):
+        assert len(samples) == NODES * RANKS and sorted(sum(samples, [])) == sorted(sum(two_ranks, [])), step
+
+    run_dir = tmp_path / "run"
+    store = LocalRunStore(run_dir)
+    nodes = job(run_dir, "first")
     training.wait_for(lambda: (latest_step(store) or 0) >= 4)
     nodes[1].send_signal(signal.SIGTERM)
     outputs = [node.communicate(timeout=120)[0] for node in nodes]  # both end, not only the signalled one
     assert all(node.returncode != 0 for node in nodes), "\n".join(o[-2000:] for o in outputs)
     assert "preempted (signal to another rank)" in outputs[0], outputs[0][-3000:]
+    # Node 0's ranks exit with EX_TEMPFAIL, which its torchrun reports (node 1's was signalled itself).
+    root_cause = re.search(r"Root Cause \(first observed failure\):.*?exitcode\s*: (-?\d+) ", outputs[0], re.DOTALL)
+    assert root_cause and root_cause.group(1) == "75", outputs[0][-3000:]
     stopped = len(training.metrics(run_dir))
     assert 4 <= stopped < training.STEPS and latest_step(store) == stopped  # every rank saved at the step they stopped
 
-    nodes = job("relaunch")
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), "\n".join(o[-3000:] for o in outputs)
+    outputs = finished(job(run_dir, "relaunch"))
     assert f"resumed from {run_dir}/ckpt-{stopped:08d}.pt at step {stopped}" in outputs[0], outputs[0][-3000:]
-    steps = training.metrics(run_dir)
-    assert [m["step"] for m in steps] == list(range(1, training.STEPS + 1))
-    for got, (step, samples, loss, lr) in zip(steps, reference):
-        assert len(got["samples"]) == NODES * RANKS
-        assert sorted(sum(got["samples"], [])) == sorted(samples[0] + samples[1]), step
-        assert got["loss"] == pytest.approx(loss, rel=1e-4) and got["lr"] == lr
+    assert training.trained_steps(run_dir) == expected  # per-rank samples, losses and lr, exactly
+    final, wanted = final_tensors(run_dir), final_tensors(uninterrupted)
+    assert len(final) == len(wanted) and all(torch.equal(a, b) for a, b in zip(final, wanted))

@@ -3,30 +3,55 @@
 Stock streaming numbers a dataset's shared-memory blocks by scanning for the lowest free number in
 every rank; jobs that start together pick the same one and one of them dies at start
 (FileExistsError, or "not registered by local leader"). prefix_registration.py claims the number
-once per node, atomically. Several 2-rank jobs (real processes, gloo groups) are released at the
-same instant, as a scheduler starting a sweep would.
+once per node, atomically. Several 2-rank jobs (real processes, gloo groups) start together, and
+their first ranks' first scans are made to agree, so that they certainly collide: each of them
+then tries to claim the same number, as jobs that a scheduler starts in a sweep can.
 """
 
+import json
 import subprocess
 import sys
-import time
+import threading
 
 from conftest import ROOT
 
 JOB_RANK = """
-import os, sys, time
-job, rank, world, store, go, data = sys.argv[1:]
+import json, os, sys, time
+from pathlib import Path
+job, rank, world, store, scans_dir, data, jobs = sys.argv[1:]
 os.environ.update(RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, LOCAL_RANK=rank)
 import torch.distributed as dist
+from tokstream.train import streaming_internals as internals
 from tokstream.train.config import DataConfig
 from tokstream.train.data import make_loader
-from tokstream.train.streaming_internals import shm_prefix
+
+scan, scans = internals.first_free_prefix, []
+
+def agreed_scan(*args):
+    # Stock's scan, which the first rank runs before it claims a number. Its first call is repeated, in
+    # rounds, until every job's first rank found the same number (another test may take or free one
+    # between their scans): then they all try to claim that one, a collision whatever the scheduling.
+    # Every first rank waits for all the others' scan of each round (the test's watchdog ends a hang), so
+    # all decide each round alike.
+    if scans:
+        scans.append(scan(*args))
+        return scans[-1]
+    for round in range(1000):
+        prefix = scan(*args)
+        mine = Path(scans_dir, f"{round}-{job}.scan")
+        mine.with_suffix(".tmp").write_text(str(prefix))
+        mine.with_suffix(".tmp").rename(mine)  # whole, as the others read it
+        while len(found := list(Path(scans_dir).glob(f"{round}-*.scan"))) < int(jobs):
+            time.sleep(0.001)
+        if {path.read_text() for path in found} == {str(prefix)}:
+            scans.append(prefix)
+            return prefix
+    raise RuntimeError("the jobs' first ranks never found the same free prefix")
+
+internals.first_free_prefix = agreed_scan
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(rank), world_size=int(world))
-print("ready", flush=True)
-while not os.path.exists(go):
-    time.sleep(0.0005)
 loader = make_loader(DataConfig(remote=data), "train", batch_size=4, shuffle=True, pin_memory=False, num_workers=0)
-print(shm_prefix(loader.dataset), next(iter(loader))["ids"].tolist(), flush=True)
+print(json.dumps([internals.shm_prefix(loader.dataset), scans, next(iter(loader))["ids"].tolist()]), flush=True)
 sys.stdin.readline()  # hold the blocks until every job has registered
 """
 
@@ -34,27 +59,34 @@ JOBS, RANKS = 3, 2
 
 
 def test_jobs_started_together_each_register_their_own_prefix(dataset, tmp_path):
-    go = tmp_path / "go"
+    (tmp_path / "scans").mkdir()
     processes = {(job, rank): subprocess.Popen(
-        [sys.executable, "-c", JOB_RANK, str(job), str(rank), str(RANKS), str(tmp_path / f"store{job}"), str(go),
-         str(dataset)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [sys.executable, "-c", JOB_RANK, str(job), str(rank), str(RANKS), str(tmp_path / f"store{job}"),
+         str(tmp_path / "scans"), str(dataset), str(JOBS)],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for job in range(JOBS) for rank in range(RANKS)}
+    # A hang fails the test, not the suite (6 processes importing torch on a loaded machine took 40 s).
+    watchdog = threading.Timer(300, lambda: [process.kill() for process in processes.values()])
+    watchdog.start()
     try:
-        for process in processes.values():
-            assert process.stdout.readline() == "ready\n", process.communicate(timeout=60)[1][-2000:]
-        time.sleep(0.2)  # every process is polling now
-        go.touch()
-        reports = {key: process.stdout.readline().split(" ", 1) for key, process in processes.items()}
+        lines = {key: process.stdout.readline() for key, process in processes.items()}  # "" if killed
     finally:
+        watchdog.cancel()
         outcomes = {key: process.communicate("done\n", timeout=120) for key, process in processes.items()}
-    failures = {key: err.strip().splitlines()[-1:] for key, (_, err) in outcomes.items() if processes[key].returncode}
+    failures = {key: (processes[key].returncode, err.strip().splitlines()[-1:]) for key, (_, err) in outcomes.items()
+                if processes[key].returncode}
     assert not failures, failures
-    prefixes = {key: int(prefix) for key, (prefix, _) in reports.items()}
+    reports = {key: json.loads(line) for key, line in lines.items()}
+    prefixes = {key: prefix for key, (prefix, _, _) in reports.items()}
     for job in range(JOBS):  # one prefix per job, another for each job
         assert prefixes[job, 0] == prefixes[job, 1]
     assert len({prefixes[job, 0] for job in range(JOBS)}) == JOBS
+    # They collided: every first rank tried the same number first, and all but one had to scan again.
+    scans = [reports[job, 0][1] for job in range(JOBS)]
+    assert len({tried[0] for tried in scans}) == 1 and sum(len(tried) > 1 for tried in scans) >= JOBS - 1, scans
+    assert all(reports[job, 1][1] == [] for job in range(JOBS))  # the other ranks take the claimed number
     # Each job reads what it would read alone: the same seed's batches, partitioned over its ranks.
-    first_batches = {key: ids for key, (_, ids) in reports.items()}
+    first_batches = {key: json.dumps(ids) for key, (_, _, ids) in reports.items()}
     assert len({first_batches[job, 0] for job in range(JOBS)}) == 1
     assert len({first_batches[job, 1] for job in range(JOBS)}) == 1
     assert first_batches[0, 0] != first_batches[0, 1]

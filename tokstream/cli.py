@@ -5,17 +5,31 @@ import dataclasses
 import gc
 import os
 import time
+from contextlib import nullcontext
+from pathlib import Path
 
 from tokstream.cleaning import Cleaning
 from tokstream.format import DatasetMetadata
 from tokstream.options import ConversionOptions
+from tokstream.output_guard import check_output_location, conversion_lock
 from tokstream.text_conversion import convert_text
 from tokstream.tokenizer import load_tokenizer
 
 
+def output_location(value: str) -> str:
+    """--out as given, but a local path without a last name ('.', '..', 'data/.') made absolute: the
+    output's partial and lock files are named after it. The root folder is refused."""
+    if value.startswith("s3://") or Path(value).name:
+        return value
+    absolute = os.path.abspath(value)
+    if not Path(absolute).name:
+        raise argparse.ArgumentTypeError(f"{value} is the root folder: give the output folder's own path")
+    return absolute
+
+
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of every converter: where and how samples are written."""
-    parser.add_argument("--out", required=True,
+    parser.add_argument("--out", required=True, type=output_location,
                         help="output dataset root, a local path or s3://bucket/prefix (gets SPLIT/ and metadata.json)")
     parser.add_argument("--block-size", type=int, default=1024, help="tokens per block; samples hold block+1")
     parser.add_argument("--tokenizer", "--encoding", dest="tokenizer", default="gpt2",
@@ -77,13 +91,16 @@ def run_text_conversion(args: argparse.Namespace, inputs: list[str], source_kwar
     """The body of every text converter's main(): options from the command line, then the core."""
     started = time.monotonic()
     options = text_options(args)
-    tokenizer = load_tokenizer(args.tokenizer, args.ranks_file, args.separator)
-    # The collector never walks the start-up's objects (modules, the tokenizer's tables) again: the
-    # conversion loop allocates many short-lived containers, and the collections were ~10% of this
-    # process's CPU per token, which bounds how many tokenizer processes it can feed.
-    gc.freeze()
-    metadata = convert_text(inputs, args.out, source_kwargs, cleaning, options, tokenizer,
-                            num_parts=args.num_parts, part=args.part, merge=args.merge)
+    check_output_location(args.out, inputs)
+    # One part of several runs beside the others' machines: it locks only its part (text_parts.py).
+    with conversion_lock(args.out, args.staging) if args.part is None else nullcontext():
+        tokenizer = load_tokenizer(args.tokenizer, args.ranks_file, args.separator)
+        # The collector never walks the start-up's objects (modules, the tokenizer's tables) again: the
+        # conversion loop allocates many short-lived containers, and the collections were ~10% of this
+        # process's CPU per token, which bounds how many tokenizer processes it can feed.
+        gc.freeze()
+        metadata = convert_text(inputs, args.out, source_kwargs, cleaning, options, tokenizer,
+                                num_parts=args.num_parts, part=args.part, merge=args.merge)
     if metadata is None:
         return (f"part {args.part} of {args.num_parts} done in {time.monotonic() - started:.1f} s; when every "
                 "part is done, run the same command with --merge instead of --part")

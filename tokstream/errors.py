@@ -21,6 +21,11 @@ class WorkLost(Exception):
     kept, as after an interruption, for the same command to resume."""
 
 
+class DamagedData(UserError):
+    """Data found damaged while it is read (a shard's hash, counts or token ids): said, like NoSpace, by
+    every process that meets it, since the ranks that read that shard may not include rank 0."""
+
+
 class NoSpace(Exception):
     """A disk this process writes to is full (or its quota is). Said by every process that meets it, not
     only by training's rank 0: each node has its own disks, and the other ranks may never meet it."""
@@ -55,6 +60,9 @@ def run_cli(main: Callable[[], int | None], *, sigterm_interrupts: bool = True, 
         signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         status = main()
+    except DamagedData as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     except (UserError, StoreError, WorkLost) as err:
         if report:
             print(f"error: {err}", file=sys.stderr)

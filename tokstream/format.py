@@ -232,6 +232,13 @@ def shard_samples(data: bytes | np.ndarray, dtype: np.dtype, length: int, every_
     return buffer[begin:end].view(dtype).reshape(count, length)
 
 
+def shard_sample_count(path: str | os.PathLike) -> int:
+    """The sample count in an uncompressed shard's header (its first uint32, little-endian as MDS writes
+    it), read without the rest of the file."""
+    with open(path, "rb") as file:
+        return int.from_bytes(file.read(4), "little")
+
+
 # How MDS (streaming's format, version 2) names shard hashes; the same digests streaming computes.
 def _hasher(algo: str):
     import xxhash

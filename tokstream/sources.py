@@ -35,6 +35,14 @@ CHUNK_BYTES = 1 << 20  # input per chunk: large enough to amortise handing it to
 SCAN_BYTES = 1 << 16  # read at a time while looking for a chunk's boundary
 CHUNK_ROWS = 1024  # parquet rows per chunk
 CHUNK_DOCS = 4096  # documents per chunk of a datasets stream (or CHUNK_BYTES of text, whichever first)
+# Byte-order marks of the wide Unicode encodings a .txt file may be in (UTF-32's first: it starts like UTF-16's).
+WIDE_BOMS = ((b"\xff\xfe\x00\x00", "utf-32"), (b"\x00\x00\xfe\xff", "utf-32"), (b"\xff\xfe", "utf-16"),
+             (b"\xfe\xff", "utf-16"))
+# A file is refused as not UTF-8 text when, in its first CHUNK_BYTES, more than this share of the bytes
+# (and more than NOT_TEXT_MIN of them) are NULs (UTF-16/32 without a mark) or start invalid UTF-8 (Latin-1...);
+# fewer are repaired (U+FFFD) and counted, as stray bytes in real text are.
+NOT_TEXT_SHARE = 0.01
+NOT_TEXT_MIN = 16
 # Where chunks of paragraphs may be cut: after a blank line of ASCII whitespace, always a paragraph break
 # (a line blank only in Unicode's sense is one too, where the worker splits, but no chunk is cut there).
 _BLANK_LINE = re.compile(rb"\n[ \t\r\x0b\x0c]*\n")
@@ -69,6 +77,7 @@ class Chunk:
     payload: object = None  # what the reading process holds: a pyarrow string array (parquet), a list of str (texts)
     start: int = 0
     stop: int | None = None
+    encoding: str = "utf-8"  # utf-16 or utf-32: a .txt file with that byte-order mark, read whole in one chunk
 
     def documents(self, stats: SourceStats) -> list[str]:
         """The chunk's document texts, in order; undecodable bytes are replaced and counted in `stats`."""
@@ -81,14 +90,19 @@ class Chunk:
                 raise UserError(f"{path}: column {self.text_column!r} has a null value")
             return texts
         if self.kind == "txt-file":
-            return [_decode(path.read_bytes(), stats)]
+            return [_decode_file(path, self.encoding, stats)]
         if self.kind == "json-array":
             try:
-                records = json.loads(_decode(path.read_bytes(), stats))
+                records = json.loads(_decode_file(path, self.encoding, stats))
             except json.JSONDecodeError as err:
                 raise UserError(f"{path}: invalid JSON: {err}") from None
             return [_text_of(record, self.text_column, path, n) for n, record in enumerate(records, start=1)]
-        data, first = _read_span(path, self.kind, self.start, self.stop)
+        if self.encoding != "utf-8":  # split once decoded, as its UTF-8 copy would be: its newlines are not b"\n"
+            data, first = _decode_file(path, self.encoding, stats).encode("utf-8"), 0
+        else:
+            data, first = _read_span(path, self.kind, self.start, self.stop)
+            if first == 0:
+                refuse_if_not_text(data, path)
         lines = io.BytesIO(data)  # iterates on b"\n" only, as reading the file does
         if self.kind != "jsonl":
             return list(_split_txt(lines, self.kind.removeprefix("txt-"), stats))
@@ -185,12 +199,44 @@ def _local_files(inputs: list[str]) -> list[Path]:
     return files
 
 
-def _decode(raw: bytes, stats: SourceStats) -> str:
+def _decode(raw: bytes, stats: SourceStats, encoding: str = "utf-8") -> str:
     try:
-        return raw.decode("utf-8")
+        return raw.decode(encoding)
     except UnicodeDecodeError:
         stats.invalid_utf8_docs += 1
-        return raw.decode("utf-8", errors="replace")
+        return raw.decode(encoding, errors="replace")
+
+
+def _decode_file(path: Path, encoding: str, stats: SourceStats) -> str:
+    """A whole file's text: UTF-8 (refused if it is mostly not), or UTF-16/32 after its byte-order mark."""
+    raw = path.read_bytes()
+    if encoding == "utf-8":
+        refuse_if_not_text(raw, path)
+    return _decode(raw, stats, encoding)
+
+
+def refuse_if_not_text(raw: bytes, path: Path) -> None:
+    """Refuse a file whose start (up to CHUNK_BYTES of `raw`, its first bytes) is mostly not UTF-8 text, rather
+    than tokenize garbage; checked once per file, in the tokenizer process that reads its first chunk."""
+    sample = raw[:CHUNK_BYTES]
+    limit = max(NOT_TEXT_MIN, NOT_TEXT_SHARE * len(sample))
+    nuls = sample.count(0)
+    if nuls > limit:
+        raise UserError(f"{path}: {nuls:,} of its first {len(sample):,} bytes are NUL: not UTF-8 text (UTF-16 or "
+                        "UTF-32 without a byte-order mark?); convert it to UTF-8 (e.g. iconv -f UTF-16 -t UTF-8) or "
+                        "leave it out")
+    if sample.isascii():
+        return
+    invalid = sample.decode("utf-8", errors="replace").count("\ufffd") - sample.count("\ufffd".encode())
+    if invalid > limit:
+        raise UserError(f"{path}: {invalid:,} invalid UTF-8 sequences in its first {len(sample):,} bytes: not UTF-8 "
+                        "text (Latin-1 or another legacy encoding?); convert it to UTF-8 (e.g. iconv -f LATIN1 -t "
+                        "UTF-8) or leave it out")
+
+
+def _wide_encoding(head: bytes) -> str | None:
+    """utf-16 or utf-32 if the file starts with that byte-order mark."""
+    return next((encoding for mark, encoding in WIDE_BOMS if head.startswith(mark)), None)
 
 
 def _check_text_column(path: Path, text_column: str) -> None:
@@ -199,18 +245,30 @@ def _check_text_column(path: Path, text_column: str) -> None:
         import pyarrow.parquet as pq
 
         try:
-            names = pq.read_schema(path).names
+            schema = pq.read_schema(path)
         except Exception as err:
             raise UserError(f"{path} is not a readable parquet file: {err}") from None
-        if text_column not in names:
-            raise UserError(f"{path} has no column {text_column!r}; columns: {', '.join(names)} "
+        if text_column not in schema.names:
+            raise UserError(f"{path} has no column {text_column!r}; columns: {', '.join(schema.names)} "
                             "(choose one with --text-column)")
+        if not _is_text_type(schema.field(text_column).type):
+            raise UserError(f"{path}: column {text_column!r} holds {schema.field(text_column).type}, not text "
+                            "(choose a text column with --text-column)")
     elif path.suffix in JSON_SUFFIXES:  # read as a tokenizer process will read it
         first = next(_file_chunks(0, path, text_column, "file", {}), None)
         if first is not None and first.kind == "jsonl":
             first = dataclasses.replace(first, stop=1)  # to the first boundary at or after byte 1: line 1
         if first is not None:
             first.documents(SourceStats())
+
+
+def _is_text_type(arrow_type) -> bool:
+    """Whether a parquet column's values read as str (dictionary-encoded strings too)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(arrow_type):
+        arrow_type = arrow_type.value_type
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
 
 
 def _text_of(record: object, text_column: str, path: Path, lineno: int) -> str:
@@ -241,11 +299,19 @@ def _file_chunks(index: int, path: Path, text_column: str, txt_docs: str, at: di
     if path.suffix in PARQUET_SUFFIXES:
         yield from _parquet_chunks(index, path, text_column, at.get("row", 0))
         return
+    with open(path, "rb") as handle:
+        head = handle.read(4)
+    encoding = _wide_encoding(head)
     if path.suffix in JSON_SUFFIXES:
-        with open(path, "rb") as handle:
-            kind = "json-array" if handle.read(1) == b"[" else "jsonl"
+        if encoding:
+            raise UserError(f"{path} is {encoding.upper()} text, and JSON files are read as UTF-8: convert it "
+                            f"(e.g. iconv -f {encoding.upper()} -t UTF-8)")
+        kind = "json-array" if head[:1] == b"[" else "jsonl"
     else:
         kind = f"txt-{txt_docs}"
+    if encoding:  # read whole: its chunks cannot be cut at b"\n" (txt only; JSON is refused above)
+        yield Chunk(kind, str(path), text_column, {"file": index + 1}, encoding=encoding)
+        return
     if kind in ("json-array", "txt-file"):  # one document, or one JSON value: the file whole
         yield Chunk(kind, str(path), text_column, {"file": index + 1})
         return

@@ -21,6 +21,7 @@ from pathlib import Path
 from tokstream.errors import NoSpace, UserError, WorkLost, no_space, out_of_space
 from tokstream.format import shard_file_intact, stored_file
 from tokstream.object_store import S3Dataset, Uploader, UploadError, is_s3
+from tokstream.output_guard import check_discardable, check_replaceable, check_s3_replaceable
 from tokstream.resume import RESUME_KEY_FILE, STATE_FILE, key_matches, partial_path, replaced_path, write_key
 
 
@@ -43,10 +44,15 @@ class Staging:
 
 
 def refuse_existing_output(out: str | os.PathLike, overwrite: bool) -> None:
-    """A local output that already holds something is replaced only with --overwrite."""
+    """A local output that already holds something is replaced only with --overwrite, and only if it is
+    a dataset this project wrote (output_guard.check_replaceable); so is what an interrupted swap left."""
     out = Path(out)
-    if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
-        raise UserError(f"output {out} already exists: pass --overwrite to replace it, or choose another --out")
+    if out.exists() or out.is_symlink():
+        if not overwrite and (not out.is_dir() or any(out.iterdir())):
+            raise UserError(f"output {out} already exists: pass --overwrite to replace it, or choose another --out")
+        check_replaceable(out)
+    if replaced_path(out).exists():
+        check_discardable(replaced_path(out))
 
 
 @contextmanager
@@ -73,6 +79,7 @@ def staged_output(out: str | os.PathLike, overwrite: bool, staging_dir: str | No
             raise UserError(f"{staging} is left from an interrupted conversion of other inputs or settings: "
                             "pass --overwrite to discard it and convert again")
         else:
+            check_discardable(staging)
             shutil.rmtree(staging)
     if not resumed:
         staging.mkdir(parents=True)
@@ -91,6 +98,7 @@ def staged_output(out: str | os.PathLike, overwrite: bool, staging_dir: str | No
                     "another --out) and run the command again")
             raise NoSpace(f"{no_space(err.filename or staging, err)}: {done}") from None
         raise
+    refuse_existing_output(out, overwrite)  # again: files put there meanwhile stay, and the staging with its key
     key_file.unlink(missing_ok=True)
     replaced = replaced_path(out)
     if out.exists():
@@ -106,6 +114,8 @@ def _staged_s3(url: str, overwrite: bool, staging_dir: str | None, resume_key: d
     dataset.check_writable()
     existing = dataset.sizes()
     resumed = False
+    if existing and overwrite:
+        check_s3_replaceable(url, existing, dataset.get_bytes)
     if existing and not overwrite:
         if "metadata.json" in existing:
             raise UserError(f"{url} already holds a dataset: pass --overwrite to replace it, or choose another --out")

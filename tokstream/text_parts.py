@@ -14,9 +14,7 @@ A part that was killed is redone from its start on the next run; complete parts 
 import dataclasses
 import json
 import os
-import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +23,8 @@ from tokstream.cleaning import Cleaning, FingerprintSet
 from tokstream.dataset_writer import SplitWriter, finish_dataset, text_metadata
 from tokstream.errors import UserError
 from tokstream.format import DatasetMetadata, token_dtype
-from tokstream.object_store import is_s3
 from tokstream.options import ConversionOptions
+from tokstream.output_guard import conversion_lock, local_stand_in
 from tokstream.resume import PART_DONE_FILE
 from tokstream.sources import DocumentSource
 from tokstream.staging import staged_output
@@ -39,10 +37,8 @@ CHUNK_TOKENS = 1 << 24
 
 def parts_root(out: str | os.PathLike, staging_dir: str | None = None) -> Path:
     """OUT.parts beside a local output; for an S3 output, under --staging (shared by the machines)."""
-    if is_s3(out):
-        name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(out).removeprefix("s3://").strip("/"))
-        return Path(staging_dir or tempfile.gettempdir()) / f"{name}.parts"
-    return Path(str(out).rstrip("/") + ".parts")
+    stand_in = local_stand_in(out, staging_dir)
+    return stand_in.with_name(stand_in.name + ".parts")
 
 
 def part_dir(out: str | os.PathLike, part: int, num_parts: int, staging_dir: str | None = None) -> Path:
@@ -83,12 +79,21 @@ def assign_files(files: list[str], num_parts: int) -> list[list[str]]:
     bounds.append(len(files))
     return [files[bounds[i] : bounds[i + 1]] for i in range(num_parts)]
 
+
 def convert_part(source: DocumentSource, part: int, num_parts: int, out: str, tokenizer: Tokenizer,
                  options: ConversionOptions, cleaning: Cleaning) -> bool:
     """Tokenize one part's documents; return False if that part was already complete."""
     directory = part_dir(out, part, num_parts, options.staging_dir)
-    if (directory / PART_DONE_FILE).is_file():
-        return False
+    # Machines converting other parts run beside this one: the lock is this part's, not the output's.
+    with conversion_lock(directory):
+        if (directory / PART_DONE_FILE).is_file():
+            return False
+        _write_part(source, directory, tokenizer, options, cleaning)
+    return True
+
+
+def _write_part(source: DocumentSource, directory: Path, tokenizer: Tokenizer, options: ConversionOptions,
+                cleaning: Cleaning) -> None:
     counters = Counters()
     no_dedup = dataclasses.replace(cleaning, dedup_memory=None)  # dedup happens at the merge, over all parts
     names = options.text_splits
@@ -111,7 +116,6 @@ def convert_part(source: DocumentSource, part: int, num_parts: int, out: str, to
         report = {"invalid_utf8_documents_replaced": counters.read.invalid_utf8_docs,
                   "empty": counters.cleaning.empty}
         (staging.path / PART_DONE_FILE).write_text(json.dumps(report, sort_keys=True))
-    return True
 
 
 def merge_parts(out: str, num_parts: int, description: dict, tokenizer: Tokenizer, options: ConversionOptions,
@@ -137,8 +141,18 @@ def merge_parts(out: str, num_parts: int, description: dict, tokenizer: Tokenize
                 duplicates += _merge_split(directory, name, output, metadata, seen)
         extra["duplicates"] = duplicates
         finish_dataset(staging, metadata, outputs, extra)
-    shutil.rmtree(parts_root(out, options.staging_dir), ignore_errors=True)
+    _remove_parts(directories, parts_root(out, options.staging_dir))
     return metadata
+
+
+def _remove_parts(directories: list[Path], root: Path) -> None:
+    """Remove the merged parts (each finished, with its part.json), then their folder if nothing else is there."""
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)
+    try:
+        root.rmdir()
+    except OSError:
+        pass  # it holds what this merge did not make (parts of another --num-parts): that stays
 
 
 def _merge_split(directory: Path, name: str, output: SplitWriter, metadata: DatasetMetadata,

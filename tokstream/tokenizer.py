@@ -29,6 +29,9 @@ RANKS_FILE_ENV = "TOKSTREAM_RANKS_FILE"
 POSITIONS = ("after", "before")
 # A tokenizer.json's separator when --separator is auto: the first of these it holds.
 KNOWN_SEPARATORS = (("after", "<|endoftext|>"), ("before", "<|begin_of_text|>"))
+# Tokenizer.sha256 of the encodings whose ranks file is known here (r50k_base's: the hash tiktoken itself
+# expects), so a dataset's name and hash are checked against each other offline (verify.py).
+KNOWN_SHA256 = {"r50k_base": "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,18 @@ class Tokenizer:
         raise NotImplementedError
 
 
+def identity_contradiction(name: str, sha256: str | None) -> str | None:
+    """Why a tokenizer `name` cannot have this `sha256`, by the hashes known here (KNOWN_SHA256); None if it can,
+    or if neither is known."""
+    if sha256 is None:
+        return None
+    expected = KNOWN_SHA256.get(ENCODING_ALIASES.get(name, name))
+    if expected is not None:
+        return None if expected == sha256 else f"tokenizer {name!r} has sha256 {expected[:12]}, not {sha256[:12]}"
+    owner = next((known for known, digest in KNOWN_SHA256.items() if digest == sha256), None)
+    return None if owner is None else f"sha256 {sha256[:12]} is {owner}'s, not that of tokenizer {name!r}"
+
+
 def _separator(spec: TokenizerSpec, vocabulary: dict[str, int], where: str) -> tuple[int, str]:
     """The separator's id and position: as --separator says, or the first known one the vocabulary holds."""
     if spec.separator == "auto":
@@ -88,6 +103,12 @@ class TiktokenTokenizer(Tokenizer):
                 raise UserError(f"--ranks-file only supports the gpt2/r50k_base encoding, not {spec.source!r}")
             if not os.path.isfile(ranks_file):
                 raise UserError(f"ranks file {ranks_file} does not exist")
+            with open(ranks_file, "rb") as handle:
+                digest = hashlib.sha256(handle.read()).hexdigest()
+            if digest != KNOWN_SHA256["r50k_base"]:  # a dataset must not carry GPT-2's name over other ranks
+                raise UserError(f"ranks file {ranks_file} is not GPT-2's BPE ranks (sha256 {digest[:12]}, not "
+                                f"{KNOWN_SHA256['r50k_base'][:12]}): pass the r50k_base.tiktoken file, or another "
+                                "tokenizer as --tokenizer tokenizer.json")
             ranks = load_tiktoken_bpe(ranks_file)
             self.encoding = tiktoken.Encoding(name=spec.source, pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                                               special_tokens={GPT2_EOT: len(ranks)})

@@ -13,6 +13,7 @@ from tokstream.errors import UserError
 from tokstream.format import (METADATA_FILE, DatasetMetadata, column_encoding, decompress_shard, file_hash,
                               shard_samples, stored_file)
 from tokstream.object_store import S3Dataset, is_s3
+from tokstream.tokenizer import identity_contradiction
 
 
 @dataclass
@@ -130,6 +131,10 @@ def verify_dataset(root: str | Path) -> VerifyReport:
         metadata = files.metadata()
     finally:
         files.close()
+    contradiction = identity_contradiction(metadata.tokenizer, metadata.tokenizer_sha256)
+    if contradiction:
+        raise UserError(f"{files.root}/{METADATA_FILE} contradicts itself: {contradiction}; it was edited or damaged: "
+                        "restore it from the conversion, or reconvert")
     report = VerifyReport(metadata)
     problems = report.problems
     for split, stats in metadata.splits.items():

@@ -9,6 +9,8 @@ uploader in the middle of it).
 """
 
 import http.client
+import itertools
+import os
 import socket
 import sys
 import threading
@@ -17,10 +19,26 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+_PORT_BLOCK = 500  # ports per test process, below Linux's ephemeral range (32768-60999)
+_next_port = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A free 127.0.0.1 port for a server that another process binds (torchrun's MASTER_PORT). Servers
+    of this process bind port 0 instead. Each pytest-xdist process draws from a block of its own, under
+    the ephemeral range where no bind(0) or outgoing connection lands: two processes probing at once
+    can never be handed the same port, as bind(0)-and-close allowed."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    start = 20000 + _PORT_BLOCK * (int(worker) if worker.isdigit() else 0)
+    for _ in range(_PORT_BLOCK):
+        port = start + next(_next_port) % _PORT_BLOCK
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # held by something else: the next one
+            return port
+    raise OSError(f"no free port in 127.0.0.1:{start}-{start + _PORT_BLOCK - 1}")
 
 
 @dataclass
@@ -30,6 +48,7 @@ class Fault:
     remaining: int  # how many matching requests to spoil; -1: all of them
     status: int | None  # HTTP status to answer with; None: drop the connection
     hold_s: float = 0.0  # before dropping the connection, hold the request this long
+    serve: bool = False  # after holding, serve the request after all: a slow store, not a failing one
 
 
 class _Server(ThreadingHTTPServer):
@@ -49,6 +68,7 @@ class FaultProxy:
         self.spoiled = 0
         self.holding = threading.Event()  # set once a held request has arrived
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in arrival order
+        self.spans: list[tuple[str, str, float, float]] = []  # (method, path, began, answered) of those answered
         self.lock = threading.Lock()
         proxy = self
 
@@ -59,6 +79,7 @@ class FaultProxy:
                 pass
 
             def _handle(self):
+                began = time.monotonic()
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 with proxy.lock:
                     proxy.requests.append((self.command, self.path))
@@ -66,6 +87,8 @@ class FaultProxy:
                 if fault is not None and fault.hold_s:
                     proxy.holding.set()
                     time.sleep(fault.hold_s)
+                    if fault.serve:
+                        fault = None
                 if fault is not None and fault.status is None:
                     self.close_connection = True
                     try:
@@ -97,10 +120,12 @@ class FaultProxy:
                 if self.command != "HEAD":
                     self.wfile.write(data)
                 upstream.close()
+                with proxy.lock:
+                    proxy.spans.append((self.command, self.path, began, time.monotonic()))
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
-        self.server = _Server(("127.0.0.1", free_port()), Handler)
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
@@ -117,9 +142,26 @@ class FaultProxy:
         with self.lock:
             self.faults.append(Fault(method, path_contains, -1, None, seconds))
 
+    def slow(self, method: str, path_contains: str, seconds: float) -> None:
+        """Answer every matching request `seconds` late (a slow store: it is served)."""
+        with self.lock:
+            self.faults.append(Fault(method, path_contains, -1, None, seconds, serve=True))
+
+    def most_at_once(self, method: str, path_contains: str) -> int:
+        """The most matching requests that were in progress at the same moment (of those answered)."""
+        with self.lock:
+            events = sorted((t, step) for m, path, began, answered in self.spans
+                            if m == method and path_contains in path for t, step in ((began, 1), (answered, -1)))
+        most = now = 0
+        for _, step in events:  # at equal times an answer (-1) comes before a start (+1): not overlapping
+            now += step
+            most = max(most, now)
+        return most
+
     def clear(self) -> None:
         with self.lock:
             self.faults.clear()
+            self.spans.clear()
             self.spoiled = 0
             self.holding.clear()
 
@@ -149,14 +191,13 @@ def start_loopback_s3(*buckets: str):
     subprocesses started afterwards inherit it.
     """
     import logging
-    import os
 
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()  # returns once bound
+    port = server.get_host_and_port()[1]
     os.environ.update(S3_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="loopback",
                       AWS_SECRET_ACCESS_KEY="loopback", AWS_DEFAULT_REGION="us-east-1",
                       AWS_EC2_METADATA_DISABLED="true")

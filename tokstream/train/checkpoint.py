@@ -1,136 +1,137 @@
 """Checkpoints: assembled from the run's stateful components, written whole (in the background when
-asked), published by the LATEST pointer written last, newest complete one found on relaunch, last K kept.
+asked) with a manifest of their size and checksum, verified before they are loaded, the newest that
+passes its checks found on relaunch, last K kept.
 
 A checkpoint is a dict with one entry per component (`model`, `optimizer`, `loader`, `rng`,
 `progress`: whatever has `state_dict()` / `load_state_dict()`) and `run`, the facts a relaunch is
-checked against before anything is loaded (config, batch plan, dataset identity). Where the files
-live, and why a cut-off save is never taken for a complete one: run_store.py.
+checked against before anything is loaded (config, batch plan, dataset identity, the run's id).
+What makes one complete and what may ever be deleted: checkpoint_files.py; where the files live:
+run_store.py.
 """
 
-import json
-import os
 import pickle
-import re
 import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from tokstream.errors import StoreError, UserError, no_space, out_of_space
+from tokstream.train.checkpoint_files import (Survey, checkpoint_name, file_bytes_and_digest, mismatch, pointer_step,
+                                              read_manifest, remove_staging_files, write_checkpoint, write_manifest)
 from tokstream.train.distributed import Distributed
 from tokstream.train.grace import state_bytes
-from tokstream.train.metrics import METRICS_FILE
-from tokstream.train.run_store import POINTER, LocalRunStore, RunStore, staging_path
+from tokstream.train.run_store import LocalRunStore, RunStore
 
-CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
-
-
-def checkpoint_name(step: int) -> str:
-    return f"ckpt-{step:08d}.pt"
+START_AFRESH = "nothing was deleted; to start the run afresh, point run_dir at a new directory"
 
 
-def latest_step(store: RunStore) -> int | None:
-    """The step LATEST names (the newest complete checkpoint), None before the first save."""
-    data = store.read_bytes(POINTER)
-    if data is None:
-        return None
-    try:
-        return int(json.loads(data)["step"])
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"{store.url}/{POINTER} is damaged ({data[:80]!r}): it names the newest complete checkpoint; "
-                        "remove it and the run resumes from the newest checkpoint that loads") from None
+def find_latest(store: RunStore, dist: Distributed | None = None) -> tuple[str, dict] | tuple[None, None]:
+    """The newest checkpoint of a run that passes its checks, as written (nothing is restored yet);
+    (None, None) for a run with no checkpoint at all. One that fails its checks falls back to the one
+    before, with a warning; checkpoints none of which can be used are refused, never taken for a
+    fresh start. With `dist`, every rank of the job calls this together, and rank 0 speaks."""
+    survey = Survey.of(store)
+    say = print if dist is None or dist.master else _silent
+    unusable = [f"{checkpoint_name(step)} (no manifest)" for step in survey.without_manifest]
+    for index, step in enumerate(reversed(survey.complete)):
+        url, saved, problem = _load_verified(store, step, dist)
+        if saved is not None:
+            break
+        after = "falling back to the checkpoint before it" if index + 1 < len(survey.complete) else "none is older"
+        say(f"warning: {url} not used: {problem}; {after}", flush=True)
+        unusable.insert(0, f"{checkpoint_name(step)} ({problem})")
+    else:
+        _refuse_a_fresh_start_over_a_lost_run(store, survey, unusable)
+        return None, None
+    if "progress" not in saved:
+        raise UserError(f"{url} was written before checkpoints were assembled from components (tokstream "
+                        "before the tokstream.train package): resume it with that release, or use a new run_dir")
+    for line in _hint_lines(store, step, survey):
+        say(line)
+    return url, saved
 
 
-def _steps(names: list[str]) -> list[int]:
-    return sorted(int(m.group(1)) for m in map(CHECKPOINT_NAME.match, names) if m)
+def _silent(*args, **kwargs) -> None:
+    pass
 
 
-def checkpoints(store: RunStore) -> tuple[list[str], list[str]]:
-    """(complete checkpoints oldest first, unpublished ones: newer than LATEST, from a cut-off save).
+def _refuse_a_fresh_start_over_a_lost_run(store: RunStore, survey: Survey, unusable: list[str]) -> None:
+    """A run_dir with no usable checkpoint starts afresh only if nothing shows that a run saved there:
+    checkpoint files, manifests whose files are gone (a copy that left out *.pt, a lifecycle rule) or
+    LATEST. Starting over would train from step 0 and overwrite the run's metrics."""
+    if unusable:
+        why = ("(a checkpoint without a manifest is a save cut off before it finished, or one written by tokstream "
+               "before 2026-11-24: python train/vouch.py RUN_DIR writes manifests for those you vouch for); "
+               if survey.without_manifest else "")
+        raise UserError(f"{store.url} holds checkpoints none of which can be resumed from: {', '.join(unusable)}; "
+                        f"{why}{START_AFRESH}")
+    gone = [checkpoint_name(step) for step in survey.stray_manifests]
+    pointer, problem = pointer_step(store)
+    if gone or problem != "missing":
+        named = ", ".join(gone) if gone else f"LATEST names {checkpoint_name(pointer) if pointer else 'a checkpoint'}"
+        raise UserError(f"the checkpoints of the run in {store.url} are gone ({named}, but no checkpoint file is "
+                        f"there): restore them; {START_AFRESH}")
 
-    Without LATEST, a local run directory's checkpoints all count (renamed into place whole, by a
-    release before the pointer); in S3 none does (its first save never got as far as the pointer).
-    """
-    steps = _steps(store.names())
-    newest = latest_step(store)
-    if newest is None:
-        newest = steps[-1] if steps and isinstance(store, LocalRunStore) else -1
-    return ([checkpoint_name(s) for s in steps if s <= newest], [checkpoint_name(s) for s in steps if s > newest])
+
+def _hint_lines(store: RunStore, step: int, survey: Survey) -> list[str]:
+    """What a relaunch should tell about LATEST and newer files when it resumes from `step`."""
+    lines, name = [], checkpoint_name(step)
+    pointer, problem = pointer_step(store)
+    if problem:
+        lines.append(f"LATEST in {store.url} is {problem}: resuming from the newest checkpoint that passes its "
+                     f"checks, {name}")
+    elif pointer != step:
+        what = "an older checkpoint" if pointer < step else "a checkpoint that is missing or failed its checks"
+        lines.append(f"LATEST names {checkpoint_name(pointer)}, {what}: resuming from the newest checkpoint that "
+                     f"passes its checks, {name}")
+    newer = [checkpoint_name(s) for s in survey.without_manifest if s > step]
+    if newer:
+        lines.append(f"not resumed from (no manifest: a save cut off before it finished; kept, and replaced when "
+                     f"the run saves that step again): {', '.join(newer)}")
+    return lines
 
 
-def write_checkpoint(store: RunStore, step: int, state: dict, keep: int, metrics: bytes | None = None) -> None:
-    """Checkpoint, then the metrics (an S3 run's copy), then LATEST; then the oldest beyond `keep` go."""
+def _load_verified(store: RunStore, step: int, dist: Distributed | None) -> tuple[str, dict | None, str | None]:
+    """(url, the state or None, why not). The file is checked against its manifest once per node (by
+    its first rank, which also downloads it from S3), then loaded by every rank; every rank reaches
+    the same verdict."""
     name = checkpoint_name(step)
-    staged = staging_path(store, name)
+    url = f"{store.url}/{name}"
+    path = _fetch_once_per_node(store, name, dist)
     try:
-        with open(staged, "wb") as handle:
-            writes = _KeepingWriteErrors(handle)
-            try:
-                torch.save(state, writes)
-            except RuntimeError:
-                if writes.error is not None:
-                    raise writes.error from None
-                raise
-            handle.flush()
-            os.fsync(handle.fileno())
-        store.publish(staged, name)
-        if metrics is not None:
-            store.publish_bytes(METRICS_FILE, metrics)
-        store.publish_bytes(POINTER, json.dumps({"checkpoint": name, "step": step}).encode())
-    finally:
-        staged.unlink(missing_ok=True)
-    complete = [checkpoint_name(s) for s in _steps(store.names()) if s <= step]  # LATEST names `step` now
-    if keep > 0 and len(complete) > keep:
-        store.remove(complete[:-keep])
-
-
-class _KeepingWriteErrors:
-    """The file torch.save writes a checkpoint through, keeping a failed write's OSError: torch's
-    writer turns it into "unexpected pos 13293376 vs 13293268", which hides a full disk."""
-
-    def __init__(self, handle):
-        self.handle, self.error = handle, None
-
-    def write(self, data) -> int:
-        try:
-            return self.handle.write(data)
-        except OSError as err:
-            self.error = self.error or err
-            raise
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-
-def load_latest_checkpoint(store: RunStore, dist: Distributed | None = None) -> tuple[str, dict] | tuple[None, None]:
-    """The newest complete checkpoint that loads (its URL, its state); a damaged one falls back to
-    the one before. Checkpoints that exist but none of which loads are refused: starting over from
-    step 0 would silently throw the run away. With `dist`, every rank of the job calls this together."""
-    complete, _ = checkpoints(store)
-    failures = []
-    for name in reversed(complete):
-        url = f"{store.url}/{name}"
-        path = _fetch_once_per_node(store, name, dist)
+        problem = None
+        if dist is None or not dist.enabled or dist.local_rank == 0:
+            manifest = read_manifest(store, step)
+            problem = "its manifest is unreadable" if manifest is None else mismatch(path, manifest)
+        problem = _first(problem, dist)
+        if problem is not None:
+            return url, None, problem
+        saved = None
         try:
             # Data only: a checkpoint in shared storage must not be able to run code on the nodes
             # that resume from it, and this trainer writes nothing but tensors and plain values.
-            return url, torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # truncated or corrupt file: say so and try the previous one
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:
             if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err):
                 raise UserError(f"{url} holds objects other than tensors and plain values, which a checkpoint "
-                                "of this trainer never does (or it is from a release before 2026-11-22): not "
-                                "loaded; remove it to resume from the one before") from None
-            print(f"warning: skipping unreadable checkpoint {url}: {type(err).__name__}: {err}")
-            failures.append(name)
-        finally:
-            _release_once_per_node(store, path, dist)
-    if failures:
-        raise UserError(f"none of the {len(failures)} checkpoints in {store.url} can be read (newest: {failures[0]}): "
-                        "move them away to start the run over, or point run_dir at a copy that reads")
-    return None, None
+                                "of this trainer never does: not loaded; move it away to resume from the one "
+                                "before") from None
+            problem = f"unreadable ({type(err).__name__}: {err})"
+        problem = _first(problem, dist)
+        return url, saved if problem is None else None, problem
+    finally:
+        _release_once_per_node(store, path, dist)
+
+
+def _first(problem: str | None, dist: Distributed | None) -> str | None:
+    """The first rank's problem, if any rank has one: the ranks go on or fall back together."""
+    if dist is None or not dist.enabled:
+        return problem
+    return next((p for p in dist.gather(problem) if p is not None), None)
 
 
 def _shares_a_copy(store: RunStore, dist: Distributed | None) -> bool:
@@ -164,25 +165,37 @@ def _release_once_per_node(store: RunStore, path: Path, dist: Distributed | None
         store.release_copy(path)
 
 
-def remove_unfinished_saves(store: RunStore) -> list[str]:
-    """What saves that a kill cut off left: staging files, and checkpoints LATEST never named (a
-    run_dir belongs to one job at a time)."""
-    staged = sorted(store.local.glob("*.tmp*")) if store.local.is_dir() else []
-    for path in staged:
-        path.unlink(missing_ok=True)
-    _, unpublished = checkpoints(store)
-    store.remove(unpublished)
-    return [p.name for p in staged] + unpublished
+def vouch_for(store: RunStore, steps: list[int] | None = None) -> list[str]:
+    """Write manifests for checkpoint files that have none (`steps`, default all), on a person's word:
+    a release before manifests wrote them, or a save was cut off between its file and its manifest.
+    Each must load as this trainer's checkpoint of the step its name says; returns a line per file."""
+    survey = Survey.of(store)
+    chosen = survey.without_manifest if steps is None else steps
+    lines = []
+    for step in chosen:
+        name = checkpoint_name(step)
+        if step not in survey.without_manifest:
+            raise UserError(f"{store.url}/{name}: " + ("it has a manifest already" if step in survey.complete
+                                                      else "no such checkpoint file"))
+        path = store.local_copy(name)
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            if saved.get("progress", {}).get("step") != step:
+                raise ValueError(f"it holds no trainer state of step {step}")
+            write_manifest(store, step, file_bytes_and_digest(path), (saved.get("run") or {}).get("run_id")
+                           or f"vouched-{new_run_id()}")
+        except Exception as err:
+            raise UserError(f"{store.url}/{name} cannot be vouched for: {type(err).__name__}: {err}; nothing "
+                            "was written") from None
+        finally:
+            store.release_copy(path)
+        lines.append(f"{store.url}/{name}: manifest written (step {step})")
+    return lines
 
 
-def find_latest(store: RunStore, dist: Distributed | None = None) -> tuple[str, dict] | tuple[None, None]:
-    """The newest complete checkpoint of a run, as written (nothing is restored yet); `dist`: as
-    load_latest_checkpoint."""
-    url, saved = load_latest_checkpoint(store, dist)
-    if saved is not None and "progress" not in saved:
-        raise UserError(f"{url} was written before checkpoints were assembled from components (tokstream "
-                        "before the tokstream.train package): resume it with that release, or use a new run_dir")
-    return url, saved
+def new_run_id() -> str:
+    """The id a run's manifests carry: retention removes only checkpoints with its own."""
+    return uuid.uuid4().hex
 
 
 class Stateful(Protocol):
@@ -237,22 +250,27 @@ class Checkpointer:
     def __init__(self, store: RunStore, keep: int, dist: Distributed, components: dict[str, Stateful],
                  run_record: dict, metrics_path: Path | None = None):
         self.store, self.keep, self.dist = store, keep, dist
-        self.components, self.run_record = components, run_record
+        self.components = components
+        self.run_record = {**run_record, "run_id": run_record.get("run_id") or new_run_id()}
         self.metrics_path = metrics_path  # an S3 run's local metrics, uploaded with each checkpoint
         self.saved_step: int | None = None  # the step the newest complete checkpoint holds (rank 0)
         self.snapshot_step: int | None = None  # the newest step whose state was taken (every rank)
         self.write_s = 0.0  # how long the last save took to write
         self._in_flight: threading.Thread | None = None
         self._snapshot = HostSnapshot()
-        if dist.master:
-            for name in remove_unfinished_saves(store):
+        self._trusted: list[int] = []  # steps known whole: resumed from (verified) or written by this job (rank 0)
+        if dist.master:  # the job holds the run's lease: no other job is writing these
+            for name in remove_staging_files(store):
                 print(f"removed {name}, a save that was interrupted")
         dist.barrier()
 
     def restore(self, saved: dict) -> None:
+        """Load every component; the run keeps the id its checkpoints carry (none before 2026-11-24)."""
+        self.run_record["run_id"] = saved["run"].get("run_id") or self.run_record["run_id"]
         for name, component in self.components.items():
             component.load_state_dict(saved[name])
         self.saved_step = self.snapshot_step = saved["progress"]["step"]
+        self._trusted.append(self.saved_step)
 
     def save(self, step: int, background: bool = False) -> None:
         """Collective (RNG states are gathered from every rank); a step already saved is not saved again."""
@@ -287,7 +305,7 @@ class Checkpointer:
         """Write the checkpoint; why it failed, or None."""
         began = time.perf_counter()
         try:
-            write_checkpoint(self.store, step, state, self.keep, metrics)
+            write_checkpoint(self.store, step, state, self.keep, self.run_record["run_id"], self._trusted, metrics)
         except (OSError, RuntimeError, StoreError) as err:  # disk full, store unreachable, torch.save's writer
             if not out_of_space(err):
                 return str(err)
@@ -296,6 +314,7 @@ class Checkpointer:
                     f"{free / 2**20:.1f} MiB is free there; free space or give that directory a bigger disk (run_dir; "
                     "run_local for a run in S3)")
         self.saved_step = step
+        self._trusted.append(step)
         self.write_s = time.perf_counter() - began
         return None
 

@@ -95,6 +95,9 @@ class TrainConfig:
     # Seconds between a preemption notice (SIGTERM) and the kill: Kubernetes' default 30 s, about 120 s
     # for cloud spot notices. Start-up warns when a step plus the saves could not fit in it.
     preempt_grace_s: float = 30.0
+    # Rank 0 rewrites run_dir/LEASE this often; a launch takes over a lease that has not moved for 3
+    # of its holder's intervals (at once when the holder ran on this machine and is gone): run_lease.py.
+    lease_interval_s: float = 10.0
     trace_samples: bool = False
     # Recipe settings a relaunch changes on purpose, e.g. [optim.lr]; any other change is refused
     # (resume_policy.py says what may change freely).
@@ -178,20 +181,35 @@ def _apply_section(target: object, value: dict, where: str, prefix: str) -> None
         _apply(target, str(sub_key), sub_value, where, prefix)
 
 
+def _parse_yaml(text: str, what: str, fix: str) -> object:
+    """YAML, or one line saying where it is not (yaml's own message spans several, with a caret)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(f"{what} is not valid YAML{where}: {problem}; {fix}") from None
+
+
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     """Defaults, then the YAML file, then `key=value` overrides (values parsed as YAML)."""
     config = TrainConfig()
     if path:
         if not Path(path).is_file():
             raise UserError(f"config file {path} does not exist (see configs/)")
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        loaded = _parse_yaml(Path(path).read_text(), f"config file {path}", "fix it there") or {}
+        if not isinstance(loaded, dict):
+            raise UserError(f"config file {path} holds a {type(loaded).__name__}, not keys and values (see configs/)")
         for key, value in loaded.items():
             _apply(config, str(key), value, path)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
             raise UserError(f"override {item!r} is not key=value")
-        _apply(config, key.strip(), yaml.safe_load(raw) if raw else None, "command line")
+        value = _parse_yaml(raw, f"override {item!r}: {raw!r}",
+                            "quote a string YAML would misread inside the argument, e.g. 'key=\"[a\"'") if raw else None
+        _apply(config, key.strip(), value, "command line")
     if not config.data.remote and not config.data.streams:
         raise UserError("data.remote is not set: give the dataset root, e.g. data.remote=data/owt, or a mixture "
                         "in data.streams")

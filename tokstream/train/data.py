@@ -19,12 +19,13 @@ import torch
 from streaming import Stream
 
 from tokstream.errors import UserError
-from tokstream.format import METADATA_FILE, DatasetMetadata, check_compatible, read_metadata, stored_file
+from tokstream.format import (METADATA_FILE, DatasetMetadata, check_compatible, read_metadata, shard_sample_count,
+                              stored_file)
 from tokstream.train import mixture
 from tokstream.train.batch_plan import BatchPlan
 from tokstream.train.config import DataConfig
 from tokstream.train.mixture import Source
-from tokstream.train.token_dataset import TokenDataset
+from tokstream.train.token_dataset import TokenDataset, damaged_shard, sample_count_problem
 from tokstream.train.token_loader import TokenLoader
 
 
@@ -83,24 +84,34 @@ def fetch_index_files(source: Source, splits: tuple[str, ...]) -> Path:
     return root
 
 
-def check_split_files(root: Path, split: str) -> None:
-    """A local split's index.json and every shard it names, at the recorded size (hashes are
-    convert/verify.py's job): a cut or missing file is named here, not deep in a reader thread."""
+def check_split(root: Path, split: str, metadata: DatasetMetadata, dataset: str, local_files: bool) -> None:
+    """A split's index.json against the metadata's count and, with `local_files` (a local dataset), every
+    shard it names against the file: its size (hashes are convert/verify.py's job) and, uncompressed, the
+    sample count in its header (4 bytes read; a compressed shard's is checked when the reader maps it).
+    A stale count is named here, not found as epochs of repeats or an IndexError deep in a reader."""
     index = root / split / "index.json"
     if not index.is_file():
         raise UserError(f"{index} is missing: the {split} split's conversion never finished; reconvert it")
     try:
         shards = json.loads(index.read_text())["shards"]
-    except (json.JSONDecodeError, KeyError) as err:
+        indexed = sum(shard["samples"] for shard in shards)
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise UserError(f"{index} is damaged ({type(err).__name__}: {err}); reconvert the split") from None
+    if metadata.splits[split].samples != indexed:
+        raise UserError(f"{dataset}/{METADATA_FILE} says the {split} split has {metadata.splits[split].samples} "
+                        f"samples, its index.json {indexed}: one of them is stale or hand-edited; python "
+                        f"convert/verify.py {dataset} checks the dataset, reconverting repairs it")
+    if not local_files:  # remote shards are checked against their hashes as they arrive, and when mapped
+        return
     for shard in shards:
         stored = stored_file(shard)
         path = root / split / stored["basename"]
         size = path.stat().st_size if path.is_file() else None
         if size != stored["bytes"]:
-            found = "is missing" if size is None else f"has {size} bytes, the index says {stored['bytes']}"
-            raise UserError(f"shard {path} {found}: the dataset is damaged; python convert/verify.py {root} "
-                            "checks every shard, reconverting repairs it")
+            raise UserError(damaged_shard(path, "is missing" if size is None else
+                                          f"has {size} bytes, the index says {stored['bytes']}", dataset))
+        if shard["zip_data"] is None and (problem := sample_count_problem(shard_sample_count(path), shard["samples"])):
+            raise UserError(damaged_shard(path, problem, dataset))
 
 
 def dataset_identity(root: Path, split: str) -> str:
@@ -135,9 +146,8 @@ def open_dataset(config: DataConfig, vocab_size: int, block_size: int) -> Traini
         if config.split not in metadata[-1].splits:
             raise UserError(f"{source.remote} has no {config.split} split (it has {', '.join(metadata[-1].splits)}): "
                             "set data.split")
-        if not is_remote(source.remote):  # remote shards are checked against their hashes as they arrive
-            for split in {config.split, config.val_split} & set(metadata[-1].splits):
-                check_split_files(root, split)
+        for split in {config.split, config.val_split} & set(metadata[-1].splits):
+            check_split(root, split, metadata[-1], source.remote.rstrip("/"), local_files=not is_remote(source.remote))
         identities.append(dataset_identity(root, config.split))
     mixture.check_same_tokens(sources, metadata)
     return TrainingDataset(sources, metadata, mixture.identity(identities))
@@ -213,6 +223,13 @@ def predownload(config: DataConfig, batch_size: int) -> int:
     return 8 * batch_size if config.cache_limit else max(8 * batch_size, MIN_PREDOWNLOAD)
 
 
+def vocab_size(source: Source, split: str) -> int:
+    """The source's vocab_size from its metadata.json: where open_dataset left it, or fetched now by a
+    loader made without it (a benchmark's)."""
+    fetched = is_remote(source.remote) and Path(local_root(source), METADATA_FILE).is_file()
+    return read_metadata(local_root(source) if fetched else fetch_index_files(source, (split,))).vocab_size
+
+
 def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, pin_memory: bool,
                 num_workers: int | None = None, choose: list[int] | None = None,
                 sources: list[Source] | None = None, reuse_slots: bool = False) -> TokenLoader:
@@ -233,6 +250,7 @@ def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, 
             shuffle_block_size=config.shuffle_block_size, num_canonical_nodes=config.num_canonical_nodes,
             batch_size=batch_size, cache_limit=config.cache_limit,
             predownload=predownload(config, batch_size), download_retry=config.download_retry,
+            vocab_sizes=[vocab_size(source, split) for source in sources],
         )
     except ValueError as err:  # streaming's word on a bad setting, e.g. a cache_limit below 4 shards
         raise UserError(f"data ({split}): {err}") from None

@@ -1,6 +1,9 @@
 """Who this process is in a torchrun job, on which device, and the few collectives training uses."""
 
 import os
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,6 +28,8 @@ class Distributed:
     def start(cls, device_setting: str) -> "Distributed":
         """Read torchrun's environment, pick the device ("auto", "cuda" or "cpu") and join the group."""
         enabled = "RANK" in os.environ
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent
+            exit_when_orphaned()
         rank = int(os.environ.get("RANK", 0))
         world = int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -87,3 +92,31 @@ def _store_of_this_attempt(world: int) -> dist.Store | None:
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                            timeout=timedelta(minutes=10))
     return dist.PrefixStore(f"tokstream/attempt_{attempt}", client)
+
+
+PARENT_GONE_STATUS = 4
+
+
+def exit_when_orphaned(poll_s: float = 1.0) -> None:
+    """End this rank within `poll_s` of its parent (torchrun's agent) dying, writing nothing: the agent
+    starts each rank in a session of its own, so killing the agent's process group leaves the ranks
+    training, saving and racing a relaunch. A watch of the parent's PID, not prctl's parent-death
+    signal, which fires when the parent's *thread* that started us ends."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"rank {os.environ.get('RANK', '?')}: torchrun's agent (PID {parent}) is gone: exiting without "
+              "writing", file=sys.stderr, flush=True)
+        os._exit(PARENT_GONE_STATUS)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def peer_gone(err: BaseException) -> bool:
+    """A collective failed because another rank of the job ended (it says why itself): gloo's and NCCL's
+    words for a peer's closed connection."""
+    return isinstance(err, RuntimeError) and any(
+        words in str(err) for words in ("Connection closed by peer", "Connection reset by peer",
+                                        "remote process exited or there was a network error"))

@@ -16,8 +16,8 @@ from tokstream.errors import UserError
 from tokstream.train.config import TrainConfig
 
 FREE = ("run_dir", "run_local", "log_interval", "eval_interval", "eval_batches", "checkpoint_interval",
-        "keep_checkpoints", "background_checkpoints", "preempt_grace_s", "trace_samples", "device", "compile",
-        "deterministic", "micro_batch_size",
+        "keep_checkpoints", "background_checkpoints", "preempt_grace_s", "lease_interval_s", "trace_samples",
+        "device", "compile", "deterministic", "micro_batch_size",
         "data.remote", "data.local", "data.val_split", "data.num_workers", "data.prefetch_factor",
         "data.predownload", "data.cache_limit", "data.validate_hash", "data.download_retry",
         "data.clean_stale_shared_memory", "data.streams.*.remote", "data.streams.*.local", "data.streams.*.name")

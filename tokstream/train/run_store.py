@@ -1,10 +1,10 @@
 """Where a run's files live: a local directory, or s3://bucket/prefix so that they outlive the node.
 
-A run directory holds `ckpt-XXXXXXXX.pt` checkpoints, `LATEST` (the name of the newest complete
-checkpoint) and `metrics.jsonl`. A file becomes visible only when whole: a local one by fsync and
-rename, an S3 object by the store's own all-or-nothing PUT (a killed multipart upload is never an
-object). A checkpoint counts once LATEST names it or a newer one, and LATEST is written last, so a
-save cut off at any point leaves the previous checkpoint in charge.
+A run directory holds `ckpt-XXXXXXXX.pt` checkpoints with their manifests, `LATEST` (a hint naming
+the newest save), `LEASE` (the live job's: run_lease.py) and `metrics.jsonl`. The invariant: a file
+becomes visible only when whole: a local one by fsync and rename, an S3 object by the store's own
+all-or-nothing PUT (a killed multipart upload is never an object). What makes a checkpoint complete,
+and what may ever be deleted: checkpoint_files.py.
 
 An S3 run also has a local directory (`run_local`): the metrics being written, staging for uploads,
 downloads of the checkpoint to resume from. Nothing in it is needed to resume: a relaunch on a

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from tokstream.errors import DamagedData
 from tokstream.format import parse_column_encoding, shard_samples
 from tokstream.train import epoch_order  # noqa: F401  (puts streaming's epoch order replacements in place)
 from tokstream.train import lean_spanner  # noqa: F401  (and its sample-to-shard lookup's)
@@ -23,6 +24,17 @@ from tokstream.train.stale_shm import record_owner, release_owner
 from tokstream.train.transfer_ring import TransferRing
 
 _TORCH_DTYPE = {np.dtype(np.uint16): torch.uint16, np.dtype(np.uint32): torch.uint32}
+
+
+def damaged_shard(path: object, problem: str, dataset: str) -> str:
+    """The one line for a shard that is not what its dataset's index and metadata say."""
+    return (f"shard {path} {problem}: the dataset is damaged; python convert/verify.py {dataset} checks every shard, "
+            "reconverting repairs it")
+
+
+def sample_count_problem(held: int, indexed: int) -> str | None:
+    """A shard must hold the samples its index entry counts: streaming reads up to that count."""
+    return None if held == indexed else f"holds {held} samples, the index says {indexed}"
 
 
 class TokenDataset(internals.WindowedDownloadAhead):
@@ -38,8 +50,11 @@ class TokenDataset(internals.WindowedDownloadAhead):
     file is never read and its disk space is really freed.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, vocab_sizes: list[int] | None = None, **kwargs):
+        """`vocab_sizes`: per stream, the bound on its token ids (its metadata's vocab_size, which training
+        has checked is at most the model's): each shard is checked against it once, when first read."""
         super().__init__(*args, **kwargs)
+        self.vocab_sizes = vocab_sizes
         self.pin_batches = False  # set by TokenLoader
         self.transfer_samples: int | None = None  # samples per item in a DataLoader worker (TokenLoader)
         self.ring: TransferRing | None = None  # where workers write their transfers, if shared (TokenLoader)
@@ -62,11 +77,40 @@ class TokenDataset(internals.WindowedDownloadAhead):
             return self.get_batch(at)
         return super().__getitem__(at)
 
+    def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+        """The fence's, with streaming's bare "Checksum failure" (validate_hash) said as a damaged shard."""
+        try:
+            return super().prepare_shard(shard_id, blocking)
+        except ValueError as err:
+            if not str(err).startswith("Checksum failure"):
+                raise
+            stream = self.streams[self.stream_per_shard[shard_id]]
+            basename = os.path.basename(internals.shard_file(self, shard_id))
+            name = f"{stream.remote}/{self.shards[shard_id].split}/{basename}"
+            raise DamagedData(damaged_shard(name, f"does not match its {stream.validate_hash} hash in index.json "
+                                            "once downloaded", stream.remote)) from None
+
     def _map_shard(self, shard_id: int) -> np.ndarray:
         dtype, length = self.sample_format()
         path = internals.shard_file(self, shard_id)
         # A plain ndarray view: slicing a np.memmap subclass costs far more per sample.
-        return shard_samples(np.asarray(np.memmap(path, dtype=np.uint8, mode="r")), dtype, length, every_offset=False)
+        view = shard_samples(np.asarray(np.memmap(path, dtype=np.uint8, mode="r")), dtype, length, every_offset=False)
+        self._check(shard_id, view, path, sample_count_problem(len(view), self.shards[shard_id].samples))
+        return view
+
+    def _check(self, shard_id: int, tokens: np.ndarray, path: object, problem: str | None = None) -> None:
+        """Refuse a shard read with a `problem`, or with a token id past its stream's vocabulary, which would
+        end training in an embedding lookup (a device assert on a GPU). Run once per mapped shard (a pass
+        over it at memory speed, its pages read from disk now instead of at its samples' turn) and on each
+        row read through stock get_item (a shard not local yet)."""
+        stream = self.stream_per_shard[shard_id]
+        if problem is None and self.vocab_sizes is not None and tokens.size:
+            largest = int(tokens.max())
+            if largest >= self.vocab_sizes[stream]:
+                problem = f"holds token id {largest}, outside the dataset's vocab_size {self.vocab_sizes[stream]}"
+        if problem is not None:
+            dataset = self.streams[stream].remote or self.streams[stream].local
+            raise DamagedData(damaged_shard(path, problem, dataset))
 
     def sample_format(self) -> tuple[np.dtype, int]:
         if self._sample_format is None:
@@ -105,7 +149,11 @@ class TokenDataset(internals.WindowedDownloadAhead):
         rows = []
         for sample_id, shard_id, index in zip(sample_ids.tolist(), shards.tolist(), indices.tolist()):
             view = views[shard_id]
-            rows.append(view[index] if view is not None else super().get_item(sample_id)["tokens"])
+            if view is not None:
+                rows.append(view[index])
+            else:
+                rows.append(super().get_item(sample_id)["tokens"])
+                self._check(shard_id, rows[-1], internals.shard_file(self, shard_id))
         return rows
 
     def get_batch(self, sample_ids: list[int]) -> dict:

@@ -15,19 +15,19 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from tokstream.errors import no_space, out_of_space
+from tokstream.errors import StoreError, UserError, no_space, out_of_space
 from tokstream.train import data
 from tokstream.train.batch_plan import BatchPlan
 from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
 from tokstream.train.config import TrainConfig
 from tokstream.train.distributed import Distributed
-from tokstream.train.fault_injection import crash_if_asked
 from tokstream.train.grace import budget_line, measure_write_rate, notice_line, state_bytes
 from tokstream.train.mixture import describe_epoch
 from tokstream.train.metrics import METRICS_FILE, MetricsLog, console_line
 from tokstream.train.model import GPT, peak_bf16_flops
 from tokstream.train.preemption import PreemptionWatch
 from tokstream.train.resume_policy import check_relaunch
+from tokstream.train.run_lease import RunLease
 from tokstream.train.rng import RankRNG
 from tokstream.train.run_store import RunStore, S3RunStore, open_run_store
 from tokstream.train.schedule import learning_rate
@@ -55,6 +55,7 @@ class Run:
     preemption: PreemptionWatch
     autocast: object
     peak_flops: float | None
+    lease: RunLease | None  # rank 0's: one live job per run_dir
 
 
 def setup(config: TrainConfig) -> Run:
@@ -69,9 +70,24 @@ def setup(config: TrainConfig) -> Run:
         print(describe_epoch(dataset.sources, dataset.samples(config.data.split), epoch_samples,
                              config.global_batch_size))
     store = open_run_store(config.run_dir, config.run_local, check_writable=dist.master)
+    lease = hold_the_lease(store, config.lease_interval_s, dist)
+    try:
+        return _build(config, dist, plan, dataset, epoch_samples, store, lease)
+    except BaseException:  # a refused relaunch gives the lease back at once, not at its process's exit
+        if lease is not None:
+            lease.release()
+        raise
+
+
+def _build(config: TrainConfig, dist: Distributed, plan: BatchPlan, dataset: data.TrainingDataset,
+           epoch_samples: list[int], store: RunStore, lease: RunLease | None) -> Run:
+    """setup()'s part under the run's lease: resume or start, and everything the loop uses."""
     checkpoint_url, saved = find_latest(store, dist)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
         old = saved["run"]
+        if saved["progress"]["step"] > config.max_steps:
+            raise UserError(f"max_steps={config.max_steps} is below the step of {checkpoint_url}, "
+                            f"{saved['progress']['step']}: raise max_steps, or point run_dir elsewhere")
         changes = [*check_relaunch(old["config"], config), plan.describe_change(old["batch_plan"])]
         data.check_same_dataset(old["dataset_identity"], dataset)
         if dist.master:
@@ -92,8 +108,10 @@ def setup(config: TrainConfig) -> Run:
     batches = data.TrainBatches(config.data, config.micro_batch_size, epoch_samples, pin_memory=use_cuda)
     val_loaders = validation_loaders(config, dataset, dist, pin_memory=use_cuda)
     model = torch.compile(raw_model) if config.compile else raw_model
+    autocast = torch.autocast("cuda", dtype=getattr(torch, config.dtype)) if use_cuda else nullcontext()
     if dist.enabled:
         model = DDP(model, device_ids=[dist.local_rank] if use_cuda else None)
+        settle_gradient_buckets(model, optimizer, config, dist.device, autocast)
 
     progress, rng = Progress(), RankRNG(dist)
     rng.seed(config.seed)
@@ -113,11 +131,54 @@ def setup(config: TrainConfig) -> Run:
         metrics.replace(store.read_bytes(METRICS_FILE) or b"")
         print(f"metrics: {metrics.path} (a copy goes to {store.url} with each checkpoint)")
     metrics.truncate_after(progress.step)
-    autocast = torch.autocast("cuda", dtype=getattr(torch, config.dtype)) if use_cuda else nullcontext()
     shares = {source.name: count / sum(epoch_samples) for source, count in zip(dataset.sources, epoch_samples)}
     return Run(config, dist, plan, raw_model, model, optimizer, batches, [s.name for s in dataset.sources], val_loaders,
                {name: shares[name] for name in val_loaders}, progress, store, checkpointer,
-               metrics, PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None)
+               metrics, PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None, lease)
+
+
+def settle_gradient_buckets(model: DDP, optimizer: torch.optim.Optimizer, config: TrainConfig,
+                            device: torch.device, autocast) -> None:
+    """One forward/backward of a dummy micro-batch, its gradients then dropped, so that every real step of
+    every launch all-reduces its gradients in the same layout and a relaunch repeats the uninterrupted run's
+    bits at any number of ranks.
+
+    Why: DDP's first backward in a process all-reduces the gradients flattened in parameter order; the next
+    forward rebuilds the buckets in the order the gradients became ready (the reverse, here). Over more than
+    two ranks each element's sum (gloo's ring; NCCL too splits the buffer into chunks) adds the ranks'
+    values in an order that depends on the element's offset in its bucket, so a relaunch's first step was
+    summed otherwise than the uninterrupted run's same step: about 4 % of the gradient differed in its last
+    bits at 4 ranks. Over two, a + b == b + a. (No DDP option keeps one layout for free: with bucket_cap_mb or
+    gradient_as_bucket_view the buckets are still rebuilt after the first backward, with static_graph after
+    the second; find_unused_parameters=True never rebuilds them, at the price of a traversal of the autograd
+    graph at every step.)
+
+    The dummy batch has the micro-batch's shape, so a compiled model compiles here rather than again; no
+    RNG stream moves (fork_rng: the checkpoint's dropout streams) and no optimizer step is taken."""
+    tokens = torch.zeros(config.micro_batch_size, config.model.block_size + 1, dtype=torch.long)
+    inputs, targets = data.to_device({"tokens": tokens}, device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with autocast:
+            loss = model(inputs, targets)
+        loss.backward()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def hold_the_lease(store: RunStore, interval_s: float, dist: Distributed) -> RunLease | None:
+    """Rank 0 takes the run's lease for the job (run_lease.py) and returns it; every rank stops if it cannot."""
+    refusal, lease = None, None
+    if dist.master:
+        try:
+            lease = RunLease.acquire(store, interval_s)
+        except (UserError, StoreError) as err:
+            refusal = str(err)
+        except OSError as err:
+            refusal = f"cannot write the run's lease in {store.url}: " + (
+                no_space(store.local, err) if out_of_space(err) else str(err))
+    refusal = dist.gather(refusal)[0]
+    if refusal is not None:
+        raise UserError(refusal)
+    return lease
 
 
 def validation_loaders(config: TrainConfig, dataset: data.TrainingDataset, dist: Distributed,
@@ -198,7 +259,6 @@ def train(config: TrainConfig) -> bool:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         progress.step += 1
-        crash_if_asked(dist.rank, progress.step)
 
         step = progress.step
         record = {"step": step, "loss": dist.mean(loss_sum).item(), "lr": lr}
@@ -233,6 +293,8 @@ def train(config: TrainConfig) -> bool:
             run.checkpointer.save(step, background=config.background_checkpoints)
     bar.close()
     dist.close()
+    if run.lease is not None:
+        run.lease.release()
     return finished
 
 

@@ -1,0 +1,127 @@
+"""Training checks its dataset (issue 29): a dataset that disagrees with itself, or with the model, ends the
+run in one line naming the file, through torchrun, instead of training on repeats or an IndexError mid-run.
+
+Counts are checked at start (metadata.json against index.json, index.json against the shards' headers);
+token ids, and the counts of shards not local at start (compressed, or remote), when a reader first maps a
+shard. A bad config file or override is one line too.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+import test_training as training
+from tokstream.format import shard_samples
+
+NO_TRACEBACK = f'File "{ROOT / "tokstream"}'  # the trainer's own frames (torchrun prints its own traceback)
+
+
+def error_lines(output: str) -> list[str]:
+    """The "error: ..." lines, a progress bar's text before them left out."""
+    return re.findall(r"error: .*", output)
+
+
+def refused(dataset: Path, tmp_path: Path, nproc: int = 2) -> list[str]:
+    """The error lines of a run that must fail, checked for a non-zero exit and no traceback of the trainer."""
+    process = training.launch(nproc, dataset, tmp_path / "run")
+    output, _ = process.communicate(timeout=180)
+    assert process.returncode != 0, output[-3000:]
+    assert NO_TRACEBACK not in output, output[-3000:]
+    return sorted(set(error_lines(output)))  # a reader's line: said by each rank that met the shard
+
+
+def edit_json(path: Path, change) -> None:
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_text(json.dumps(record))
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    """246 train samples in one shard, 16 val: the issue's numbers."""
+    return training.tiny_splits(tmp_path, 246, 16)
+
+
+def test_metadata_counts_must_agree_with_the_index(data, tmp_path):
+    """99,999 train samples claimed for an index of 246: epochs of repeats, rc 0, before the check."""
+    edit_json(data / "metadata.json", lambda m: m["splits"]["train"].update(samples=99_999))
+    assert refused(data, tmp_path) == [
+        f"error: {data}/metadata.json says the train split has 99999 samples, its index.json 246: one of them is "
+        f"stale or hand-edited; python convert/verify.py {data} checks the dataset, reconverting repairs it"]
+
+
+def claim_300_samples(data: Path) -> None:
+    """An index (and a metadata, so that the two agree) claiming 300 samples of a shard holding 246."""
+    edit_json(data / "train" / "index.json", lambda index: index["shards"][0].update(samples=300))
+    edit_json(data / "metadata.json", lambda m: m["splits"]["train"].update(samples=300))
+
+
+def test_an_index_claiming_more_samples_than_the_shard_holds_is_refused_at_start(data, tmp_path):
+    """The file's size is the index's (only the count changed): the shard's header says 246. Before the
+    check: an IndexError traceback at the first sample past 246."""
+    claim_300_samples(data)
+    assert refused(data, tmp_path) == [
+        f"error: shard {data}/train/shard.00000.mds holds 246 samples, the index says 300: the dataset is damaged; "
+        f"python convert/verify.py {data} checks every shard, reconverting repairs it"]
+
+
+def test_a_compressed_shard_claiming_more_samples_is_refused_when_first_read(tmp_path):
+    """A compressed shard's header is read once streaming has decompressed it: when the reader maps it."""
+    from tokstream.options import ConversionOptions
+    from tokstream.token_conversion import Vocabulary, convert_token_files
+    from tokstream.token_files import open_token_file
+    from tokstream.tokenizer import load_tokenizer
+
+    tokens = tmp_path / "train.bin"
+    (np.arange(246 * 64 + 1) % 50256).astype("<u2").tofile(tokens)
+    data = tmp_path / "zstd"
+    convert_token_files({"train": [open_token_file(tokens)]}, str(data), Vocabulary.of(load_tokenizer("gpt2")),
+                        ConversionOptions(block_size=64, compression="zstd", progress=False))
+    claim_300_samples(data)
+    assert refused(data, tmp_path) == [
+        f"error: shard {data}/train/shard.00000.mds holds 246 samples, the index says 300: the dataset is damaged; "
+        f"python convert/verify.py {data} checks every shard, reconverting repairs it"]
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_naming_the_shard(data, tmp_path):
+    """Id 60,000 in a GPT-2 dataset (vocab_size 50,257): an IndexError in the embedding lookup (a device
+    assert on a GPU) before the check. Both ranks read the shard; the one that meets it first says so,
+    even when it is not rank 0."""
+    shard = data / "train" / "shard.00000.mds"
+    body = bytearray(shard.read_bytes())
+    shard_samples(body, np.uint16, 65)[:, 0] = 60_000  # every sample's first input; the file keeps its size
+    shard.write_bytes(body)
+    assert refused(data, tmp_path) == [
+        f"error: shard {shard} holds token id 60000, outside the dataset's vocab_size 50257: the dataset is damaged; "
+        f"python convert/verify.py {data} checks every shard, reconverting repairs it"]
+
+
+def main(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "train/main.py"), *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def test_bad_yaml_in_a_config_file_or_an_override_is_one_line(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("max_steps: 10\ndata:\n  remote: [demo/data\n")
+    result = main(str(config))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (f"error: config file {config} is not valid YAML (line 4, column 1): expected ',' or "
+                             "']', but got '<stream end>'; fix it there\n")
+
+    result = main("configs/tiny.yaml", "max_steps=[")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == ("error: override 'max_steps=[': '[' is not valid YAML (line 1, column 2): expected the "
+                             "node content, but found '<stream end>'; quote a string YAML would misread inside the "
+                             "argument, e.g. 'key=\"[a\"'\n")
+
+    config.write_text("- max_steps: 10\n")
+    result = main(str(config))
+    assert (result.returncode, result.stderr) == (2, f"error: config file {config} holds a list, not keys and "
+                                                     "values (see configs/)\n")
