@@ -28,7 +28,7 @@ print(json.dumps({{"torch_s": torch_s, "total_s": time.perf_counter() - started,
 """
 WAYS = {
     "stock: import streaming": "import streaming",
-    "project: tokstream.train.data": "import tokstream.train.data, streaming",
+    "project: tokstream.reader.batches": "import tokstream.reader.batches, streaming",
 }
 
 

@@ -29,7 +29,7 @@ SHARED_CORPUS = ROOT.parent / "shared/corpora/tinyshakespeare.txt"
 OTHER_JOB = """
 import sys
 from streaming import StreamingDataset
-from tokstream.train.streaming_internals import shm_prefix
+from tokstream.reader.streaming_door.streaming_internals import shm_prefix
 dataset = StreamingDataset(local=sys.argv[1], split="train", shuffle=False, batch_size=1)
 next(iter(dataset))
 print(f"{shm_prefix(dataset):06}", flush=True)

@@ -64,8 +64,8 @@ def timed_batches(batches, count: int) -> float:
 def project_loader(remote: str, local: str | None, workers: int, reuse_slots: bool = True):
     """Training's loader: DataConfig's defaults, and worker transfers through the shared ring
     (reuse_slots, as TrainBatches has it); reuse_slots=False: pickled through the pipe instead."""
-    from tokstream.train.config import DataConfig
-    from tokstream.train.data import make_loader
+    from tokstream.reader.config import DataConfig
+    from tokstream.reader.batches import make_loader
 
     config = DataConfig(remote=remote, local=local, num_workers=workers)  # training's defaults
     return make_loader(config, "train", BATCH, shuffle=True, pin_memory=False, reuse_slots=reuse_slots)

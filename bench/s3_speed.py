@@ -33,8 +33,8 @@ def convert(corpus: Path, out: str) -> float:
 
 def read(remote: str, local: Path | None, batches: int, block: int = 1024, batch: int = 16) -> tuple[float, float]:
     """Seconds to the first batch, and tokens/s over the following `batches` batches."""
-    from tokstream.train.config import DataConfig
-    from tokstream.train.data import make_loader
+    from tokstream.reader.config import DataConfig
+    from tokstream.reader.batches import make_loader
 
     config = DataConfig(remote=remote, local=str(local) if local else None)  # defaults, as training uses
     started = time.perf_counter()

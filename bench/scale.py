@@ -60,8 +60,8 @@ root, samples, position, micro_batch, reader = (sys.argv[1], int(sys.argv[2]), f
 if reader == "project":
     from tokstream.cpu_dispatch import prefer_avx2_sort
     prefer_avx2_sort()  # as train/main.py does first
-    from tokstream.train.config import DataConfig
-    from tokstream.train.data import make_loader
+    from tokstream.reader.config import DataConfig
+    from tokstream.reader.batches import make_loader
 else:  # stock streaming: nothing of the project imported, so none of its replacements in force
     from streaming import Stream, StreamingDataLoader, StreamingDataset
 if int(os.environ["WORLD_SIZE"]) > 1:  # as training does (distributed.py), before it builds its loader
@@ -148,8 +148,8 @@ def start_name(position: float) -> str:
 
 def sampling_times(root: Path, epoch: int) -> str:
     """streaming's get_sampling against the fence's, on this dataset's shard sizes, for the cut epoch."""
-    from tokstream.train.epoch_order import get_sampling_vectorized
-    from tokstream.train.streaming_internals import stock_get_sampling
+    from tokstream.reader.streaming_door.epoch_order import get_sampling_vectorized
+    from tokstream.reader.streaming_door.streaming_internals import stock_get_sampling
 
     index = json.loads((root / "train" / "index.json").read_text())
     shards = np.array([shard["samples"] for shard in index["shards"]], dtype=np.int64)

@@ -11,7 +11,7 @@ source differs:
 - memmap:   nanoGPT's get_batch on a train.bin (a memmap per call, random offsets, int64 x and y,
             pinned and copied without blocking);
 - project:  the same tokens converted to MDS, read shuffled through tokstream/train/data.py's loader with
-            the settings train/main.py uses, then data.to_device.
+            the settings train/main.py uses, then to_device.
 The sources take turns in rounds, so clock or thermal drift affects all three equally.
 data_wait = 1 - (tokens/s of the source) / (tokens/s of resident): the share of step time
 lost to loading. host_wait = time spent in the call that returns the next batch, as a share of
@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
-from tokstream.train import data  # noqa: E402
+from tokstream.reader import BatchPlan, TrainBatches, open_dataset, to_device  # noqa: E402
 from tokstream.train.config import load_config  # noqa: E402
 from tokstream.train.model import GPT, peak_bf16_flops  # noqa: E402
 
@@ -68,14 +68,9 @@ def memmap_source(bin_path: Path, batch: int, block: int, device: torch.device):
 
 
 def project_source(config, batch: int, device: torch.device):
-    """The trainer's loader: StreamingDataLoader over TokenDataset, epoch after epoch."""
-    loader = data.make_loader(config.data, config.data.split, batch, shuffle=True, pin_memory=device.type == "cuda")
-
-    def batches():
-        while True:
-            yield from loader
-    stream = batches()
-    return lambda: data.to_device(next(stream), device)
+    """The trainer's reader (tokstream.reader.TrainBatches), epoch after epoch."""
+    batches = TrainBatches(open_dataset(config.data), BatchPlan(batch, batch, 1), pin_memory=device.type == "cuda")
+    return lambda: to_device(next(batches), device)
 
 
 def run_steps(model, optimizer, next_batch, steps: int, accumulation: int, autocast, grad_clip: float,

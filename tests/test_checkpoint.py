@@ -404,7 +404,7 @@ def test_a_background_save_holds_the_state_of_its_step_and_a_later_save_waits_fo
     has the step's weights. A preemption save of the same step right after is not written twice."""
     import threading
 
-    from tokstream.train import checkpoint
+    from tokstream.train import checkpoint  # noqa: F811
     from tokstream.train.checkpoint import Checkpointer, find_latest
     from tokstream.train.distributed import Distributed
 

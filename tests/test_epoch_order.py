@@ -12,12 +12,12 @@ import warnings
 import numpy as np
 import pytest
 
-from tokstream.train import epoch_order
-from tokstream.train.epoch_order import generate_work_random, get_sampling_vectorized, get_shuffle_py1e_fast
-from tokstream.train.epoch_order import permutation_tail
-from tokstream.train.streaming_internals import epoch_order_in_force, generate_work
-from tokstream.train.streaming_internals import World, get_shuffle, stock_get_sampling
-from tokstream.train.streaming_internals import stock_get_shuffle_py1e as get_shuffle_py1e
+from tokstream.reader.streaming_door import epoch_order
+from tokstream.reader.streaming_door.epoch_order import generate_work_random, get_sampling_vectorized, get_shuffle_py1e_fast
+from tokstream.reader.streaming_door.epoch_order import permutation_tail
+from tokstream.reader.streaming_door.streaming_internals import epoch_order_in_force, generate_work
+from tokstream.reader.streaming_door.streaming_internals import World, get_shuffle, stock_get_sampling
+from tokstream.reader.streaming_door.streaming_internals import stock_get_shuffle_py1e as get_shuffle_py1e
 from stock_streaming import EveryOtherSample, configure, streaming_dataset
 
 
@@ -196,8 +196,8 @@ def outcome(work, args) -> np.ndarray | str:
 def test_the_lean_spanner_is_streamings_and_is_the_one_datasets_build(mds_streams):
     from streaming import StreamingDataset
 
-    from tokstream.train.lean_spanner import LeanSpanner
-    from tokstream.train.streaming_internals import Spanner
+    from tokstream.reader.streaming_door.lean_spanner import LeanSpanner
+    from tokstream.reader.streaming_door.streaming_internals import Spanner
 
     rng = np.random.default_rng(5)
     for _ in range(100):

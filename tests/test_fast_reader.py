@@ -21,9 +21,9 @@ from conftest import shakespeare_paragraphs
 from tokstream.cleaning import Cleaning
 from tokstream.options import ConversionOptions
 from tokstream.text_conversion import convert_text
-from tokstream.train.config import DataConfig
-from tokstream.train.data import make_loader, to_device
-from tokstream.train import token_loader
+from tokstream.reader.config import DataConfig
+from tokstream.reader.batches import make_loader, to_device
+from tokstream.reader import token_loader
 
 BATCH = 8
 
@@ -234,7 +234,7 @@ def test_streamings_file_locks_are_prompt_ones_and_still_exclude(dataset, tmp_pa
     millisecond when held by another (PromptFileLock), and are still locks: held, nobody else gets them."""
     from filelock import Timeout
 
-    from tokstream.train.streaming_internals import LOCK_POLL_S, PromptFileLock, file_locks
+    from tokstream.reader.streaming_door.streaming_internals import LOCK_POLL_S, PromptFileLock, file_locks
 
     loader = project_loader(fresh_copy(dataset, tmp_path, "ours"), 1, 0)
     next(iter(loader))
@@ -302,7 +302,7 @@ def test_a_shard_whose_download_failed_is_fetched_again_not_waited_for_forever(d
     cause lasts; succeeding once it is gone)."""
     import threading
 
-    from tokstream.train import streaming_internals as internals
+    from tokstream.reader.streaming_door import streaming_internals as internals
 
     remote = fresh_copy(dataset, tmp_path, "remote")
     shard = remote / "train" / "shard.00003.mds"
@@ -349,8 +349,8 @@ def test_tokens_reach_the_model_as_exact_int64_inputs_and_targets(dtype):
 WORKERS_SCRIPT = r"""
 import gc, os, sys, time
 from pathlib import Path
-from tokstream.train.config import DataConfig
-from tokstream.train.data import make_loader
+from tokstream.reader.config import DataConfig
+from tokstream.reader.batches import make_loader
 from tokstream.testing.processes import descendants
 
 def workers() -> list[int]:  # forked: the same command line as this process

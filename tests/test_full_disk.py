@@ -212,8 +212,8 @@ def test_a_full_data_cache_ends_every_rank_in_one_line_and_the_cache_limit_it_su
 EPOCH_SCRIPT = """
 import sys
 import numpy as np
-from tokstream.train.config import DataConfig
-from tokstream.train.data import make_loader
+from tokstream.reader.config import DataConfig
+from tokstream.reader.batches import make_loader
 
 def epoch(remote: str, local: str, cache_limit: str) -> np.ndarray:
     loader = make_loader(DataConfig(remote=remote, local=local, cache_limit=cache_limit, shuffle_seed=5), "train", 8,

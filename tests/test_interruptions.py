@@ -92,8 +92,8 @@ def on_machine(machine) -> list[str]:
 
 def blocks_naming(directory: Path) -> dict[str, int]:
     """Streaming's shared-memory blocks registered for cache directories under `directory`: name -> inode."""
-    from tokstream.train.stale_shm import SHM_DIR
-    from tokstream.train.streaming_internals import locals_of_block
+    from tokstream.reader.stale_shm import SHM_DIR
+    from tokstream.reader.streaming_door.streaming_internals import locals_of_block
 
     return {p.name: p.stat().st_ino for p in SHM_DIR.glob("*_locals")
             if any(d.startswith(str(directory)) for d in locals_of_block(p.read_bytes()))}
@@ -118,7 +118,7 @@ def inode(path: Path) -> int | None:
 
 def relaunch_cleared(output: str, stale: dict[str, int], where: str) -> None:
     """The relaunch said it removed the killed run's blocks, and none of them is left under its name."""
-    from tokstream.train.stale_shm import SHM_DIR
+    from tokstream.reader.stale_shm import SHM_DIR
 
     assert "shared-memory blocks a killed run of this dataset left behind" in output, where
     for name, inode in stale.items():  # a block of the same name may be this launch's own

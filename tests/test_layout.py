@@ -1,22 +1,31 @@
 """The layout's rules, checked on the source: streaming's internals behind one fence, no path tricks."""
 
+import ast
 import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
 
-FENCE = ROOT / "tokstream/train/streaming_internals.py"
-# Private names of mosaicml-streaming the project relies on (see the fence's docstring).
-STREAMING_PRIVATE = re.compile(
-    r"streaming\.base|_ShardState|_shard_states|_shard_access_times|_prepare_thread|_ready_thread|"
-    r"_pack_locals|_unpack_locals|_shm_prefix_int|\._event\b|\bTICK\b|_shared_barrier|_cache_filelock|"
-    r"_evict_coldest_shard"
-)
+DOOR = ROOT / "tokstream/reader/streaming_door"
+FENCE = DOOR / "streaming_internals.py"
+# Private names of mosaicml-streaming the project relies on (see the fence's docstring): read, called,
+# imported, or overridden in a subclass. Each is checked against the streaming versions CHECKED_VERSIONS names.
+STREAMING_PRIVATE_NAMES = {
+    "_ShardState", "_shard_states", "_shard_access_times", "_cache_filelock", "_cache_filelock_path",
+    "_evict_coldest_shard", "_event", "_shared_barrier", "_shm_prefix_int",
+    "_pack_locals", "_unpack_locals", "_get_path", "_check_self", "_check_and_find_retrying",
+    "_prepare_thread", "_ready_thread", "_each_sample_id", "_share_work",
+}
+# torch's, not streaming's: the DataLoader iterator's own shutdown (token_loader.py, at exit).
+TORCH_PRIVATE_NAMES = {"_shutdown_workers"}
+STREAMING_PRIVATE = re.compile(r"streaming\.base|\bTICK\b|" + "|".join(
+    rf"\b{name}\b" for name in sorted(STREAMING_PRIVATE_NAMES)))
 # This test, and the stock reference process and its test, which check by these names that streaming is as shipped.
 NAMES_STREAMING_ON_PURPOSE = (ROOT / "tests/test_layout.py", ROOT / "tests/stock_streaming.py",
                               ROOT / "tests/test_stock_streaming.py")
-SCRIPT_FOLDERS = ("convert", "train", "bench", "scripts")
+SCRIPT_FOLDERS = ("convert", "train", "bench", "scripts", "examples")
 PATH_EDIT = re.compile(r"sys\.path\.(insert|append|extend|remove)\(|sys\.path\s*(\+)?=")
 ROOT_FIRST = ("sys.path.insert(0, str(ROOT))", "sys.path.insert(0, str(Path(__file__).resolve().parents[1]))")
 
@@ -26,13 +35,70 @@ def python_files() -> list:
     return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
 
 
-def test_streaming_internals_are_used_only_behind_the_fence():
+def test_streaming_internals_are_used_only_behind_the_door():
     offenders = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
-                 for path in python_files() if path not in (FENCE, *NAMES_STREAMING_ON_PURPOSE)
+                 for path in python_files() if DOOR not in path.parents and path not in NAMES_STREAMING_ON_PURPOSE
                  for number, line in enumerate(path.read_text().splitlines(), start=1)
                  if STREAMING_PRIVATE.search(line)]
     assert not offenders, "\n".join(offenders)
     assert STREAMING_PRIVATE.search(FENCE.read_text())  # the pattern still finds what the fence does
+
+
+def private_names_in(paths: list) -> dict[str, set[str]]:
+    """Per file, the underscore names it reads as attributes, imports from streaming, or defines as methods."""
+    found = {}
+    for path in paths:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                names.add(node.attr)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("streaming"):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.FunctionDef):
+                names.add(node.name)
+        found[str(path.relative_to(ROOT))] = {n for n in names if n.startswith("_") and not n.startswith("__")}
+    return found
+
+
+def test_the_door_lists_every_private_name_of_streaming_the_project_uses():
+    """Every underscore name of the project's modules that streaming's own source also has is a private name
+    of streaming the project relies on (or a helper that could collide with one): it must be in the
+    list above and used only behind the door; every name the list holds is still used there."""
+    import streaming
+
+    streaming_source = "\n".join(p.read_text() for p in Path(streaming.__file__).parent.rglob("*.py"))
+    of_streaming = set(re.findall(r"\b_[A-Za-z][A-Za-z0-9_]*\b", streaming_source))
+    used = private_names_in(sorted((ROOT / "tokstream").rglob("*.py")))
+    outside = {path: names & of_streaming - TORCH_PRIVATE_NAMES for path, names in used.items()
+               if not path.startswith("tokstream/reader/streaming_door/")}
+    assert not any(outside.values()), {path: names for path, names in outside.items() if names}
+    behind = set().union(*(names for path, names in used.items() if path.startswith("tokstream/reader/streaming_door/")))
+    assert behind & of_streaming == STREAMING_PRIVATE_NAMES
+
+
+def test_the_door_opens_only_by_install():
+    """No module of the door assigns into streaming at import: every replacement is made inside a function
+    (streaming_door.install() calls them), so importing the project changes no behaviour of streaming."""
+    for path in sorted(DOOR.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            assert all(isinstance(target, ast.Name) for target in targets), (path, ast.unparse(node))
+
+
+def test_the_trainer_reads_data_through_the_public_reader_api_alone():
+    import tokstream.reader
+
+    for path in sorted([*(ROOT / "tokstream/train").glob("*.py"), *(ROOT / "train").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tokstream.reader"):
+                assert node.module == "tokstream.reader", (path, ast.unparse(node))
+                assert {alias.name for alias in node.names} <= set(tokstream.reader.__all__), (path, ast.unparse(node))
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert not alias.name.startswith(("tokstream.reader", "streaming")), (path, alias.name)
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").startswith("streaming"), (path, ast.unparse(node))
 
 
 def test_only_scripts_edit_sys_path_and_only_to_put_the_repository_root_first():

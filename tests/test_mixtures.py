@@ -10,9 +10,9 @@ from conftest import ROOT, SHARED
 from test_training import tiny_splits
 
 from tokstream.errors import UserError
-from tokstream.train.batch_plan import BatchPlan
+from tokstream.reader.batch_plan import BatchPlan
 from tokstream.train.config import load_config
-from tokstream.train.mixture import apportion, samples_per_epoch, sources
+from tokstream.reader.mixture import apportion, samples_per_epoch, sources
 
 
 def mixture_config(*overrides: str):
@@ -62,7 +62,7 @@ def test_streams_are_set_in_yaml_or_item_by_item_on_the_command_line(tmp_path):
                                                   "data.streams.1.local (or data.local) to a local cache directory"),
 ])
 def test_a_mixture_that_cannot_work_is_refused_in_one_line(overrides, message):
-    from tokstream.train.data import local_root
+    from tokstream.reader.dataset import local_root
 
     def check():
         for source in sources(mixture_config(*overrides).data):
@@ -75,7 +75,7 @@ def test_a_mixture_that_cannot_work_is_refused_in_one_line(overrides, message):
 @pytest.mark.parametrize("key, value", [("tokenizer_sha256", "0" * 64), ("vocab_size", 50000), ("separator_id", 0),
                                         ("separator_position", "before"), ("block_size", 32)])
 def test_sources_that_tokenize_differently_are_refused_naming_the_odd_one(tmp_path, key, value):
-    from tokstream.train.data import open_dataset
+    from tokstream.reader import open_dataset
 
     roots = []
     for index, name in enumerate(("web", "books")):
@@ -119,7 +119,7 @@ def test_each_source_gets_its_weights_share_of_an_epoch_of_whole_steps():
 def test_realised_proportions_match_the_configured_ones_epoch_by_epoch(tmp_path):
     """Proportions 0.7 / 0.3 of 50 + 30 samples: 56 web samples an epoch (every one, 6 twice) and 24
     books (a different 24 each epoch), exactly per epoch and within binomial error part way through one."""
-    from tokstream.train import data
+    from tokstream.reader import TrainBatches, open_dataset
 
     roots = {}
     for index, (name, samples) in enumerate((("web", 50), ("books", 30))):
@@ -127,10 +127,9 @@ def test_realised_proportions_match_the_configured_ones_epoch_by_epoch(tmp_path)
         roots[name] = tiny_splits(tmp_path / name, samples, 8, seed=index)
     config = load_config(None, [f"data.streams=[{{remote: {roots['web']}, name: web, proportion: 0.7}}, "
                                 f"{{remote: {roots['books']}, name: books, proportion: 0.3}}]"])
-    dataset = data.open_dataset(config.data, 50257, 64)
-    counts = data.train_epoch_samples(dataset, "train", BatchPlan(8, 8, 1), 1)
-    assert counts == [56, 24]
-    batches = data.TrainBatches(config.data, 8, counts, pin_memory=False)
+    dataset = open_dataset(config.data, 50257, 64)
+    batches = TrainBatches(dataset, BatchPlan(8, 8, 1))
+    assert batches.epoch_samples == [56, 24]
     books_drawn = []
     for epoch in range(3):
         ids = [i for _ in range(10) for i in next(batches)["ids"].tolist()]
@@ -145,7 +144,7 @@ def test_realised_proportions_match_the_configured_ones_epoch_by_epoch(tmp_path)
     # a mixture smaller than one step is refused at start-up, not left to hang its ranks
     with pytest.raises(UserError, match="the mixture's weights give an epoch of train fewer samples, fewer than "
                                         "one step's global_batch_size 96"):
-        data.train_epoch_samples(dataset, "train", BatchPlan(96, 8, 1), 1)
+        dataset.epoch_samples(BatchPlan(96, 8, 1))
 
 
 def test_a_relaunch_may_move_or_rename_a_source_but_not_reweigh_or_add_one():
@@ -179,7 +178,7 @@ def test_the_example_config_mixes_two_real_corpora(dataset, tmp_path):
     from tokstream.sources import open_source
     from tokstream.text_one_pass import convert_documents
     from tokstream.tokenizer import load_tokenizer
-    from tokstream.train import data
+    from tokstream.reader import open_dataset
 
     wiki = tmp_path / "wiki.txt"
     wiki.write_text((SHARED / "corpora" / "wikitext2_valid.txt").read_text()[:150_000])
@@ -187,10 +186,9 @@ def test_the_example_config_mixes_two_real_corpora(dataset, tmp_path):
                       ConversionOptions(block_size=64, val_fraction=0.05, progress=False))
     config = load_config(str(ROOT / "configs/tiny-mixture.yaml"), [f"data.streams.0.remote={dataset}",
                                                                    f"data.streams.1.remote={tmp_path / 'wiki'}"])
-    mixed = data.open_dataset(config.data, config.model.vocab_size, config.model.block_size)
-    plan = BatchPlan(config.global_batch_size, config.micro_batch_size, 2)
-    counts = data.train_epoch_samples(mixed, config.data.split, plan, config.data.num_canonical_nodes)
-    assert [s.name for s in mixed.sources] == ["plays", "wiki"]
+    mixed = open_dataset(config.data, config.model.vocab_size, config.model.block_size)
+    counts = mixed.epoch_samples(BatchPlan(config.global_batch_size, config.micro_batch_size, 2))
+    assert mixed.source_names == ["plays", "wiki"]
     assert sum(counts) % config.global_batch_size == 0
     assert counts[0] / sum(counts) == pytest.approx(0.7, abs=1 / sum(counts))
 

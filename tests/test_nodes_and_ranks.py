@@ -36,9 +36,9 @@ RESUME_AT = NODES * RANKS * BATCH * 37  # samples of epoch 1 seen before the rel
 RANK_SCRIPT = r"""
 import gc, json, os, sys
 import torch.distributed as dist
-from tokstream.train import epoch_order, streaming_internals as internals
-from tokstream.train.config import DataConfig
-from tokstream.train.data import make_loader
+from tokstream.reader.streaming_door import epoch_order, streaming_internals as internals
+from tokstream.reader.config import DataConfig
+from tokstream.reader.batches import make_loader
 
 data, node_dir, batch, resume_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 settings = json.loads(sys.argv[5])

@@ -21,9 +21,9 @@ from pathlib import Path
 job, rank, world, store, scans_dir, data, jobs = sys.argv[1:]
 os.environ.update(RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, LOCAL_RANK=rank)
 import torch.distributed as dist
-from tokstream.train import streaming_internals as internals
-from tokstream.train.config import DataConfig
-from tokstream.train.data import make_loader
+from tokstream.reader.streaming_door import streaming_internals as internals
+from tokstream.reader.config import DataConfig
+from tokstream.reader.batches import make_loader
 
 scan, scans = internals.first_free_prefix, []
 

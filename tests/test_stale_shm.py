@@ -3,8 +3,8 @@
 import mmap
 import os
 
-from tokstream.train.stale_shm import SHM_DIR, remove_stale_shared_memory
-from tokstream.train.streaming_internals import LOCALS_BLOCK, locals_block
+from tokstream.reader.stale_shm import SHM_DIR, remove_stale_shared_memory
+from tokstream.reader.streaming_door.streaming_internals import LOCALS_BLOCK, locals_block
 
 PREFIX = 987101
 
@@ -53,7 +53,7 @@ def test_owner_records_decide_for_prefixes_our_trainer_registered(tmp_path):
     import subprocess
     import sys
 
-    from tokstream.train.stale_shm import OWNER_MARK, _start_time
+    from tokstream.reader.stale_shm import OWNER_MARK, _start_time
 
     def plant(prefix: int, directory: str) -> list:
         blocks = [SHM_DIR / f"{prefix}_{LOCALS_BLOCK}", SHM_DIR / f"{prefix}_barrier"]
@@ -88,7 +88,7 @@ def test_owner_records_of_a_prefix_without_blocks_go_once_their_owners_are_gone(
     import subprocess
     import sys
 
-    from tokstream.train.stale_shm import OWNER_MARK, _start_time
+    from tokstream.reader.stale_shm import OWNER_MARK, _start_time
 
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = SHM_DIR / f"{PREFIX}_{OWNER_MARK}.{int(ended.stdout)}.1"
@@ -110,7 +110,7 @@ def test_a_dead_owners_record_from_an_earlier_registration_does_not_condemn_the_
     import subprocess
     import sys
 
-    from tokstream.train.stale_shm import OWNER_MARK
+    from tokstream.reader.stale_shm import OWNER_MARK
 
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     blocks = [SHM_DIR / f"{PREFIX}_{LOCALS_BLOCK}", SHM_DIR / f"{PREFIX}_barrier"]

@@ -1,11 +1,18 @@
 """The tests' "stock streaming" (tests/stock_streaming.py) is streaming as shipped, not with the project's parts.
 
 The README's claims compare the project's reader and epoch order with stock StreamingDataset and
-StreamingDataLoader; the project installs its own versions in streaming's modules once imported,
-so the references run in a process of their own that must have none of them.
+StreamingDataLoader; the project installs its own versions in streaming's modules when a reader is
+built (streaming_door.install()), so the references run in a process of their own that must have
+none of them.
 """
 
-import tokstream.train.data  # noqa: F401  (installs the project's replacements in this process, as training does)
+import os
+import subprocess
+import sys
+
+from tokstream.reader import streaming_door  # first: it imports streaming as training does (stock_streaming imports it too)
+
+from conftest import ROOT  # noqa: I001
 from stock_streaming import replaced_in_streaming
 
 # Every name streaming_internals.py and streaming_import.py put the project's own versions at.
@@ -25,7 +32,18 @@ def test_the_stock_references_run_in_a_process_with_none_of_the_projects_replace
     assert stock.replaced() == []
 
 
+def test_importing_the_reader_or_the_trainer_replaces_nothing_but_what_defers_transformers():
+    """The door is switched on by install() alone: a module import patches no behaviour of streaming."""
+    code = ("import tokstream.train.trainer, tokstream.reader; from stock_streaming import replaced_in_streaming; "
+            "print([n for n in replaced_in_streaming() if not n.startswith('imported ')])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "tests", capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "['streaming.base.dataloader.BatchEncoding', 'streaming.base.dataloader.BatchFeature']", (
+        out.stderr[-2000:])
+
+
 def test_the_check_finds_each_replacement_in_a_process_that_imported_the_project():
+    streaming_door.install()  # as every reader does when it is built
     replaced = replaced_in_streaming()
     assert {name for name in replaced if not name.startswith("imported ")} == THE_PROJECTS
-    assert "imported tokstream.train.data" in replaced
+    assert "imported tokstream.reader.streaming_door.epoch_order" in replaced

@@ -17,7 +17,7 @@ def run(code: str) -> str:
 def test_training_imports_streaming_without_transformers_or_torchvision():
     out = run("""
 import sys
-import tokstream.train.trainer, tokstream.train.data
+import tokstream.train.trainer, tokstream.reader.batches
 import streaming
 print(sorted(m for m in ("transformers", "torchvision", "torch._dynamo") if m in sys.modules))
 print(streaming.StreamingDataset.__name__, streaming.__version__)
@@ -29,9 +29,9 @@ def test_a_streaming_that_wants_more_of_transformers_is_imported_the_ordinary_wa
     """As a later streaming version that imports another transformers name would: the import still works."""
     out = run("""
 import sys
-sys.modules["tokstream.train"] = type(sys)("tokstream.train")  # this module alone, not the package's import
-sys.modules["tokstream.train"].__path__ = ["tokstream/train"]
-from tokstream.train import streaming_import
+sys.modules["tokstream.reader"] = type(sys)("tokstream.reader")  # this module alone, not the package's import
+sys.modules["tokstream.reader"].__path__ = ["tokstream/reader"]
+from tokstream.reader.streaming_door import streaming_import
 del streaming_import._DEFERRED["transformers.tokenization_utils_base"]
 streaming = streaming_import.import_streaming()
 from transformers import BatchEncoding
@@ -48,7 +48,7 @@ def test_streamings_batch_check_is_stocks_before_and_after_transformers_is_impor
     out = run("""
 import sys
 import torch
-import tokstream.train.data
+import tokstream.reader.batches
 from streaming import StreamingDataLoader
 count = StreamingDataLoader._get_batch_size
 print(count(None, {"x": torch.zeros(3, 2)}), count(None, torch.zeros(5, 2)), count(None, [torch.zeros(7)]),
@@ -64,7 +64,7 @@ print(issubclass(BatchEncoding, as_streaming_sees_it), isinstance({}, as_streami
 def test_streamings_own_datasets_import_what_they_need_when_used():
     out = run("""
 import sys
-import tokstream.train.data
+import tokstream.reader.batches
 import streaming
 from streaming.vision import StreamingCIFAR10
 print(StreamingCIFAR10.__module__, "torchvision" in sys.modules, "transformers" in sys.modules)

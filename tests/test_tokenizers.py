@@ -145,8 +145,8 @@ def test_llama3_llmc_shards_become_uint32_samples_counted_by_begin_of_text(tmp_p
     np.testing.assert_array_equal(samples, expected_samples(stream, 64))
     assert run_script("convert/verify.py", out).returncode == 0
 
-    from tokstream.train.config import DataConfig
-    from tokstream.train.data import open_dataset
+    from tokstream.reader.config import DataConfig
+    from tokstream.reader import open_dataset
 
     assert open_dataset(DataConfig(remote=str(out)), LLAMA3_VOCAB, 64).samples("train") == [len(samples)]
     with pytest.raises(UserError, match="dataset vocab_size 128256 > model vocab_size 50304"):
@@ -167,8 +167,8 @@ def test_llmc_shards_of_a_tokenizer_json_take_its_identity(tmp_path, bpe_before)
     assert metadata.dtype == "uint16" and metadata.splits["train"].documents == 50
     np.testing.assert_array_equal(split_samples(out), expected_samples(stream, 32))
 
-    from tokstream.train.config import DataConfig
-    from tokstream.train.data import open_dataset
+    from tokstream.reader.config import DataConfig
+    from tokstream.reader import open_dataset
 
     open_dataset(DataConfig(remote=str(out)), 2048, 32)  # 2,000 padded to a multiple of 64
     with pytest.raises(UserError, match="dataset vocab_size 2000 > model vocab_size 1024"):

@@ -112,7 +112,7 @@ def test_torchrun_max_restarts_recovers_a_crashed_rank_by_itself(reference, data
 HOLD_A_DATASET = """
 import sys
 from streaming import StreamingDataset
-from tokstream.train.streaming_internals import shm_prefix
+from tokstream.reader.streaming_door.streaming_internals import shm_prefix
 dataset = StreamingDataset(local=sys.argv[1], split="train", shuffle=False, batch_size=1)
 next(iter(dataset))
 print(shm_prefix(dataset), flush=True)
@@ -124,10 +124,10 @@ def test_start_removes_only_unmapped_blocks_of_its_own_dataset(dataset, tmp_path
     """What training runs at start (that it does, through torchrun after a hard kill: test_interruptions.py)
     unlinks the stale streaming blocks of its own cache directories. Another job reading the same
     dataset keeps its live blocks; an unmapped block of another dataset stays too."""
-    from tokstream.train.config import DataConfig
-    from tokstream.train.data import cache_dirs
-    from tokstream.train.stale_shm import SHM_DIR, remove_stale_shared_memory
-    from tokstream.train.streaming_internals import LOCALS_BLOCK, locals_block
+    from tokstream.reader.config import DataConfig
+    from tokstream.reader.dataset import cache_dirs
+    from tokstream.reader.stale_shm import SHM_DIR, remove_stale_shared_memory
+    from tokstream.reader.streaming_door.streaming_internals import LOCALS_BLOCK, locals_block
 
     other_job = subprocess.Popen([sys.executable, "-c", HOLD_A_DATASET, str(dataset)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
@@ -173,9 +173,10 @@ def tiny_splits(root: Path, train_samples: int, val_samples: int, seed: int = 0)
 
 def test_a_dataset_that_does_not_fit_the_run_is_refused_in_one_line(dataset, tmp_path):
     """Checked at start-up, before anything is built (through torchrun: the damaged-dataset test)."""
-    from tokstream.train.batch_plan import BatchPlan
-    from tokstream.train.config import DataConfig
-    from tokstream.train.data import open_dataset, train_epoch_samples, val_split_holds_a_batch
+    from tokstream.reader.batch_plan import BatchPlan
+    from tokstream.reader.config import DataConfig
+    from tokstream.reader import open_dataset
+    from tokstream.reader.dataset import val_split_holds_a_batch
 
     def refusal(check) -> str:
         with pytest.raises(UserError) as refused:
@@ -189,14 +190,14 @@ def test_a_dataset_that_does_not_fit_the_run_is_refused_in_one_line(dataset, tmp
     # 2 ranks x 4 samples on a 5-sample split: each rank would wait forever for its first batch
     small = open_dataset(DataConfig(remote=str(tiny_splits(tmp_path, 5, 3))), 50257, 64)
     assert "the train split has 5 samples, fewer than one step's global_batch_size 8" in refusal(
-        lambda: train_epoch_samples(small, "train", BatchPlan(8, 4, 2), 1))
+        lambda: small.epoch_samples(BatchPlan(8, 4, 2)))
     # 3 val samples cannot give each of 2 ranks a batch of 4: evaluation is turned off, not reported as 0
     assert small.samples("val") == [3]
     assert not val_split_holds_a_batch(3, 2, 4) and val_split_holds_a_batch(3, 1, 3)
 
 
 def test_an_epoch_is_whole_steps_that_divide_over_the_canonical_nodes():
-    from tokstream.train.batch_plan import BatchPlan
+    from tokstream.reader.batch_plan import BatchPlan
 
     assert BatchPlan(8, 4, 2).epoch_samples(44, 1) == BatchPlan(8, 8, 1).epoch_samples(44, 1) == 40
     assert BatchPlan(8, 4, 2).epoch_samples(44, 3) == 24  # lcm(8, 3)
@@ -205,8 +206,8 @@ def test_an_epoch_is_whole_steps_that_divide_over_the_canonical_nodes():
 
 def test_a_damaged_dataset_is_named_in_one_line_before_training_starts(tmp_path):
     """A cut or missing shard, a missing index.json, a metadata.json without its splits."""
-    from tokstream.train.config import DataConfig
-    from tokstream.train.data import open_dataset
+    from tokstream.reader.config import DataConfig
+    from tokstream.reader import open_dataset
 
     data = tiny_splits(tmp_path, 40, 8)
     shard = sorted((data / "train").glob("shard.*"))[0]

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from tempfile import gettempdir
 
-from tokstream.train.streaming_internals import LOCK_FILE_SUFFIXES
+from tokstream.reader.streaming_door.streaming_internals import LOCK_FILE_SUFFIXES
 
 _LOCK_FILE = re.compile(r"^(\d{6})_(%s)$" % "|".join(map(re.escape, LOCK_FILE_SUFFIXES)))
 

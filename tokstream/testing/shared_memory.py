@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from tokstream.train.stale_shm import SHM_DIR, remove_stale_shared_memory
-from tokstream.train.streaming_internals import locals_of_block
+from tokstream.reader.stale_shm import SHM_DIR, remove_stale_shared_memory
+from tokstream.reader.streaming_door.streaming_internals import locals_of_block
 
 
 def cache_dirs_under(directory: Path) -> list[str]:

@@ -2,7 +2,7 @@
 
 - Free: how the run executes, not what it computes: world size (not a setting), micro-batch (the
   sample schedule does not depend on it: BatchPlan.epoch_samples), workers, caches, where the data
-  lives and what a source is called (the data's identity is checked: data.check_same_dataset),
+  lives and what a source is called (the data's identity is checked: Dataset.check_resumes (tokstream.reader)),
   logging, evaluation, checkpoint cadence, compilation, max_steps while the LR schedule stays put.
 - Fixed: what the checkpoint or the sample order is made of, a mixture's sources and weights
   included. Changing it needs a new run_dir.

@@ -1,13 +1,14 @@
 """Training GPT-2 from a converted dataset: `setup` builds a run, `train` is the loop.
 
-Where a sample is produced: `next(run.batches)` (data.TrainBatches) pulls a micro-batch from
+Where a sample is produced: `next(run.batches)` (tokstream.reader.TrainBatches) pulls a micro-batch from
 TokenLoader (token_loader.py), which takes the rank's share of streaming's shuffled sample order a
 micro-batch at a time from TokenDataset.get_batch (token_dataset.py), stacked into (pinned) host
-memory; data.to_device widens the tokens on the device.
+memory; to_device widens the tokens on the device.
 """
 
 import os
 import time
+from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -16,13 +17,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from tokstream.errors import StoreError, UserError, no_space, out_of_space
-from tokstream.train import data
-from tokstream.train.batch_plan import BatchPlan
+from tokstream.reader import (BatchPlan, Dataset, TrainBatches, eval_batches, open_dataset, remove_stale_shared_memory,
+                              to_device)
 from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
 from tokstream.train.config import TrainConfig
 from tokstream.train.distributed import Distributed
 from tokstream.train.grace import budget_line, measure_write_rate, notice_line, state_bytes
-from tokstream.train.mixture import describe_epoch
 from tokstream.train.metrics import METRICS_FILE, MetricsLog, console_line
 from tokstream.train.model import GPT, peak_bf16_flops
 from tokstream.train.preemption import PreemptionWatch
@@ -31,7 +31,6 @@ from tokstream.train.run_lease import RunLease
 from tokstream.train.rng import RankRNG
 from tokstream.train.run_store import RunStore, S3RunStore, open_run_store
 from tokstream.train.schedule import learning_rate
-from tokstream.train.stale_shm import remove_stale_shared_memory
 
 
 @dataclass
@@ -44,9 +43,9 @@ class Run:
     raw_model: GPT  # what is checkpointed
     model: torch.nn.Module  # what is called: compiled and/or wrapped in DDP
     optimizer: torch.optim.Optimizer
-    batches: data.TrainBatches
+    batches: TrainBatches
     source_names: list[str]  # the mixture's, in data.streams order
-    val_loaders: dict[str, data.TokenLoader]  # per source with a val split
+    val_loaders: dict[str, Iterable[dict]]  # per source with a val split
     val_weights: dict[str, float]  # each one's share of an epoch: val_loss is their weighted mean
     progress: Progress
     store: RunStore
@@ -64,23 +63,22 @@ def setup(config: TrainConfig) -> Run:
         use_deterministic_kernels()
     dist = Distributed.start(config.device)
     plan = BatchPlan(config.global_batch_size, config.micro_batch_size, dist.world)
-    dataset = data.open_dataset(config.data, config.model.vocab_size, config.model.block_size)
-    epoch_samples = data.train_epoch_samples(dataset, config.data.split, plan, config.data.num_canonical_nodes)
+    dataset = open_dataset(config.data, config.model.vocab_size, config.model.block_size)
+    epoch_line = dataset.describe_epoch(plan)  # refuses a split too small for one step
     if dist.master:
-        print(describe_epoch(dataset.sources, dataset.samples(config.data.split), epoch_samples,
-                             config.global_batch_size))
+        print(epoch_line)
     store = open_run_store(config.run_dir, config.run_local, check_writable=dist.master)
     lease = hold_the_lease(store, config.lease_interval_s, dist)
     try:
-        return _build(config, dist, plan, dataset, epoch_samples, store, lease)
+        return _build(config, dist, plan, dataset, store, lease)
     except BaseException:  # a refused relaunch gives the lease back at once, not at its process's exit
         if lease is not None:
             lease.release()
         raise
 
 
-def _build(config: TrainConfig, dist: Distributed, plan: BatchPlan, dataset: data.TrainingDataset,
-           epoch_samples: list[int], store: RunStore, lease: RunLease | None) -> Run:
+def _build(config: TrainConfig, dist: Distributed, plan: BatchPlan, dataset: Dataset, store: RunStore,
+           lease: RunLease | None) -> Run:
     """setup()'s part under the run's lease: resume or start, and everything the loop uses."""
     checkpoint_url, saved = find_latest(store, dist)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
@@ -89,7 +87,7 @@ def _build(config: TrainConfig, dist: Distributed, plan: BatchPlan, dataset: dat
             raise UserError(f"max_steps={config.max_steps} is below the step of {checkpoint_url}, "
                             f"{saved['progress']['step']}: raise max_steps, or point run_dir elsewhere")
         changes = [*check_relaunch(old["config"], config), plan.describe_change(old["batch_plan"])]
-        data.check_same_dataset(old["dataset_identity"], dataset)
+        dataset.check_resumes(old["dataset_identity"])
         if dist.master:
             for change in filter(None, changes):
                 print(f"relaunch: {change}")
@@ -100,12 +98,12 @@ def _build(config: TrainConfig, dist: Distributed, plan: BatchPlan, dataset: dat
                                     (config.optim.beta1, config.optim.beta2), dist.device.type)
     if config.data.clean_stale_shared_memory:
         if dist.local_rank == 0:  # once per node, before any rank registers its datasets
-            removed = remove_stale_shared_memory(data.cache_dirs(config.data))
+            removed = remove_stale_shared_memory(dataset.cache_dirs)
             if removed:
                 print(f"removed {len(removed)} shared-memory blocks a killed run of this dataset left behind")
         dist.barrier()
     use_cuda = dist.device.type == "cuda"
-    batches = data.TrainBatches(config.data, config.micro_batch_size, epoch_samples, pin_memory=use_cuda)
+    batches = TrainBatches(dataset, plan, pin_memory=use_cuda)
     val_loaders = validation_loaders(config, dataset, dist, pin_memory=use_cuda)
     model = torch.compile(raw_model) if config.compile else raw_model
     autocast = torch.autocast("cuda", dtype=getattr(torch, config.dtype)) if use_cuda else nullcontext()
@@ -131,8 +129,8 @@ def _build(config: TrainConfig, dist: Distributed, plan: BatchPlan, dataset: dat
         metrics.replace(store.read_bytes(METRICS_FILE) or b"")
         print(f"metrics: {metrics.path} (a copy goes to {store.url} with each checkpoint)")
     metrics.truncate_after(progress.step)
-    shares = {source.name: count / sum(epoch_samples) for source, count in zip(dataset.sources, epoch_samples)}
-    return Run(config, dist, plan, raw_model, model, optimizer, batches, [s.name for s in dataset.sources], val_loaders,
+    shares = {name: count / sum(batches.epoch_samples) for name, count in zip(dataset.source_names, batches.epoch_samples)}
+    return Run(config, dist, plan, raw_model, model, optimizer, batches, dataset.source_names, val_loaders,
                {name: shares[name] for name in val_loaders}, progress, store, checkpointer,
                metrics, PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None, lease)
 
@@ -156,7 +154,7 @@ def settle_gradient_buckets(model: DDP, optimizer: torch.optim.Optimizer, config
     The dummy batch has the micro-batch's shape, so a compiled model compiles here rather than again; no
     RNG stream moves (fork_rng: the checkpoint's dropout streams) and no optimizer step is taken."""
     tokens = torch.zeros(config.micro_batch_size, config.model.block_size + 1, dtype=torch.long)
-    inputs, targets = data.to_device({"tokens": tokens}, device)
+    inputs, targets = to_device({"tokens": tokens}, device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         with autocast:
             loss = model(inputs, targets)
@@ -181,20 +179,15 @@ def hold_the_lease(store: RunStore, interval_s: float, dist: Distributed) -> Run
     return lease
 
 
-def validation_loaders(config: TrainConfig, dataset: data.TrainingDataset, dist: Distributed,
-                       pin_memory: bool) -> dict[str, data.TokenLoader]:
+def validation_loaders(config: TrainConfig, dataset: Dataset, dist: Distributed,
+                       pin_memory: bool) -> dict[str, Iterable[dict]]:
     """A loader over each source's val split, for the sources that have one big enough."""
-    split = config.data.val_split
     if not config.eval_interval:
         return {}
-    loaders = {}
-    for source, samples in zip(dataset.sources, dataset.samples(split)):
-        if data.val_split_holds_a_batch(samples, dist.world, config.micro_batch_size):
-            loaders[source.name] = data.make_loader(config.data, split, config.micro_batch_size, shuffle=False,
-                                                    pin_memory=pin_memory, num_workers=0, sources=[source])
-        elif dist.master and samples:
-            print(f"evaluation of {source.where} is off: its {split} split has {samples} samples, fewer than one "
-                  f"micro-batch of {config.micro_batch_size} on each of {dist.world} ranks")
+    loaders, left_out = eval_batches(dataset, config.micro_batch_size, dist.world, pin_memory)
+    if dist.master:
+        for line in left_out:
+            print(line)
     return loaders
 
 
@@ -247,7 +240,7 @@ def train(config: TrainConfig) -> bool:
             waited = time.perf_counter()
             batch = next(run.batches)
             data_wait += time.perf_counter() - waited
-            inputs, targets = data.to_device(batch, dist.device)
+            inputs, targets = to_device(batch, dist.device)
             sample_ids.extend(batch["ids"].tolist())
             last = micro == accumulation - 1
             with nullcontext() if last or not dist.enabled else model.no_sync(), run.autocast:
@@ -328,7 +321,7 @@ def evaluate(run: Run) -> dict[str, float] | None:
             if run.preemption.should_stop():
                 preempted = True
                 break
-            inputs, targets = data.to_device(batch, run.dist.device)
+            inputs, targets = to_device(batch, run.dist.device)
             with run.autocast:
                 total[0] += run.model(inputs, targets).float()
             total[1] += 1

@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from tempfile import gettempdir
 
-from tokstream.train.streaming_internals import (LOCALS_BLOCK, LOCK_FILE_SUFFIXES, SHM_BLOCK_SUFFIXES,
+from tokstream.reader.streaming_door.streaming_internals import (LOCALS_BLOCK, LOCK_FILE_SUFFIXES, SHM_BLOCK_SUFFIXES,
                                                  locals_of_block)
 
 SHM_DIR = Path("/dev/shm")

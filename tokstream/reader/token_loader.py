@@ -32,8 +32,9 @@ from streaming import StreamingDataLoader
 from torch.utils.data import DataLoader
 
 from tokstream.errors import NoSpace, UserError
-from tokstream.train.token_dataset import TokenDataset
-from tokstream.train.transfer_ring import TransferRing
+from tokstream.reader import streaming_door
+from tokstream.reader.token_dataset import TokenDataset
+from tokstream.reader.transfer_ring import TransferRing
 
 # 0.3 ms per hand-off over at least 256 samples: a few percent of a worker's time.
 TRANSFER_SAMPLES = 256
@@ -51,6 +52,7 @@ def start_worker(worker_id: int) -> None:
     """
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
+    streaming_door.install()  # a spawned worker starts from fresh modules (a forked one has it already)
     threading.Thread(target=_exit_with_rank, args=(os.getppid(),), name="exit-with-rank", daemon=True).start()
 
 

@@ -17,7 +17,7 @@ one all_gather instead of scanning themselves. Put in streaming's place when thi
 
 import torch.distributed as dist
 
-from tokstream.train import streaming_internals as internals
+from tokstream.reader.streaming_door import streaming_internals as internals
 
 
 def get_shm_prefix_claimed(streams_local: list[str], streams_remote: list[str | None], world: internals.World,
@@ -56,6 +56,3 @@ def _claim(streams_local: list[str], streams_remote: list[str | None], retry: in
             continue
         block.buf[:len(data)] = data
         return prefix, block
-
-
-internals.install_prefix_registration(get_shm_prefix_claimed)

@@ -8,7 +8,7 @@ find the lowest and highest shard of each span of 1,024 samples: at OpenWebText'
 
 import numpy as np
 
-from tokstream.train import streaming_internals as internals
+from tokstream.reader.streaming_door import streaming_internals as internals
 
 
 class LeanSpanner(internals.Spanner):
@@ -37,6 +37,3 @@ class LeanSpanner(internals.Spanner):
             if (low, high) not in ranges:
                 ranges[low, high] = np.arange(low, high + 1)
             self.spans.append(ranges[low, high])
-
-
-internals.install_spanner(LeanSpanner)

@@ -22,7 +22,7 @@ promise to keep:
   own `get_sampling`, `divide_spans`, `get_shuffle` and `get_partitions`;
 - `StreamingDataset._share_work`: the epoch's order goes into shared memory without a copy first;
 - `streaming.base.dataset.FileLock`, the name a dataset creates its barrier's and cache's file
-  locks from (`_shared_barrier.lock`, `_cache_filelock`): PromptFileLock in its place, set here;
+  locks from (`_shared_barrier.lock`, `_cache_filelock`): PromptFileLock in its place (`install_file_lock`);
 - `streaming.base.dataset.Spanner`, the class a dataset builds its sample-to-shard lookup from:
   replaced (`install_spanner`) by lean_spanner.py's subclass, the same fields built without an
   array of every sample;
@@ -85,19 +85,23 @@ LOCK_FILE_SUFFIXES = (BARRIER_FILELOCK, CACHE_FILELOCK)
 
 
 def install_epoch_order(get_sampling, get_shuffle_py1e, generate_work_random) -> None:
-    """Put epoch_order.py's equal replacements where streaming calls its own (epoch_order does, on import)."""
+    """Put epoch_order.py's equal replacements where streaming calls its own (install() does)."""
     streaming_dataset_module.get_sampling = get_sampling  # the name resample_streams calls
     streaming_shuffle_module.algos["py1e"] = get_shuffle_py1e  # streaming's registry of shuffle algorithms
     streaming_batching_module.batching_methods["random"] = generate_work_random  # and of batching methods
 
 
 def install_spanner(spanner_class) -> None:
-    """Make datasets built from now on use lean_spanner.py's Spanner (it does, on import)."""
+    """Make datasets built from now on use lean_spanner.py's Spanner (install() does)."""
     streaming_dataset_module.Spanner = spanner_class  # the name StreamingDataset.__init__ calls
 
 
+def install_file_lock() -> None:
+    streaming_dataset_module.FileLock = PromptFileLock  # the name a dataset's barrier and cache locks come from
+
+
 def install_prefix_registration(get_shm_prefix) -> None:
-    """Make datasets built from now on number their blocks with prefix_registration.py's (it does, on import)."""
+    """Make datasets built from now on number their blocks with prefix_registration.py's (install() does)."""
     streaming_dataset_module.get_shm_prefix = get_shm_prefix  # the name StreamingDataset.__init__ calls
 
 
@@ -192,7 +196,6 @@ class PromptFileLock(FileLock):
 
 # Streaming creates these locks lazily (a dataset must stay picklable until iterated), the cache's
 # anew at every prepare_shard (it checks hasattr(self, "cache_filelock"), a name it never sets).
-streaming_dataset_module.FileLock = PromptFileLock
 
 
 class WindowedDownloadAhead(StreamingDataset):

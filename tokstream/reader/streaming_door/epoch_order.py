@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from tokstream.train import streaming_internals as internals
-from tokstream.train.streaming_internals import divide_spans, get_partitions, get_shuffle, stock_get_sampling
+from tokstream.reader.streaming_door import streaming_internals as internals
+from tokstream.reader.streaming_door.streaming_internals import divide_spans, get_partitions, get_shuffle, stock_get_sampling
 
 # Below this many left-out picks, drawing them one by one in Python beats a whole permutation.
 MAX_TAIL = 100_000
@@ -376,6 +376,3 @@ def _warn_if_unshuffled(unshuffled_spans: bool) -> None:
         warnings.warn("Shuffle block size was smaller than shard size for some shards. This will result in "
                       "these shards not being shuffled with other shards. Set shuffle_block_size to a larger "
                       "value for a higher quality shuffle.")
-
-
-internals.install_epoch_order(get_sampling_vectorized, get_shuffle_py1e_fast, generate_work_random)

@@ -22,7 +22,7 @@ from fractions import Fraction
 
 from tokstream.errors import UserError
 from tokstream.format import DatasetMetadata
-from tokstream.train.config import DataConfig
+from tokstream.reader.config import DataConfig
 
 WEIGHTS = ("proportion", "repeat", "choose")
 

@@ -5,7 +5,7 @@ in a DataLoader worker, of a transfer of several: token_loader.py) at once, and 
 them as (block_size + 1)-token rows of memory-mapped shards, stacked once into the batch's own
 array. Which ids a rank asks for, in which order, and when shards are downloaded or evicted stay
 stock streaming's (StreamingDataset's partitioning, shuffle, resume state and cache); the private
-parts of streaming this relies on are fenced in streaming_internals.py.
+parts of streaming this relies on are behind one door, streaming_door/, switched on by its install().
 """
 
 import os
@@ -16,12 +16,10 @@ from torch.utils.data import get_worker_info
 
 from tokstream.errors import DamagedData
 from tokstream.format import parse_column_encoding, shard_samples
-from tokstream.train import epoch_order  # noqa: F401  (puts streaming's epoch order replacements in place)
-from tokstream.train import lean_spanner  # noqa: F401  (and its sample-to-shard lookup's)
-from tokstream.train import prefix_registration  # noqa: F401  (and its shared-memory numbering)
-from tokstream.train import streaming_internals as internals
-from tokstream.train.stale_shm import record_owner, release_owner
-from tokstream.train.transfer_ring import TransferRing
+from tokstream.reader import streaming_door
+from tokstream.reader.streaming_door import streaming_internals as internals
+from tokstream.reader.stale_shm import record_owner, release_owner
+from tokstream.reader.transfer_ring import TransferRing
 
 _TORCH_DTYPE = {np.dtype(np.uint16): torch.uint16, np.dtype(np.uint32): torch.uint32}
 
@@ -53,6 +51,7 @@ class TokenDataset(internals.WindowedDownloadAhead):
     def __init__(self, *args, vocab_sizes: list[int] | None = None, **kwargs):
         """`vocab_sizes`: per stream, the bound on its token ids (its metadata's vocab_size, which training
         has checked is at most the model's): each shard is checked against it once, when first read."""
+        streaming_door.install()  # before the stock constructor: it builds the lookup and shared memory
         super().__init__(*args, **kwargs)
         self.vocab_sizes = vocab_sizes
         self.pin_batches = False  # set by TokenLoader
@@ -73,7 +72,7 @@ class TokenDataset(internals.WindowedDownloadAhead):
         return self.transfer_samples if in_worker and self.transfer_samples else self.batch_size
 
     def __getitem__(self, at):
-        if isinstance(at, list):  # a batch's ids, from _each_sample_id
+        if isinstance(at, list):  # a batch's ids, from the door's yield loop (WindowedDownloadAhead)
             return self.get_batch(at)
         return super().__getitem__(at)
 

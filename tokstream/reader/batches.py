@@ -1,0 +1,158 @@
+"""Micro-batches of B + 1 tokens: the converters' MDS datasets through StreamingDataset and
+StreamingDataLoader.
+
+Partitioning over ranks and workers, shuffling, mixing sources, download-ahead and resumption are
+streaming's; this module only chooses the arguments (one Stream per source: mixture.py). Batches
+come from TokenDataset.get_batch (token_dataset.py) and reach the rank through TokenLoader
+(token_loader.py).
+"""
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from streaming import Stream
+
+from tokstream.errors import UserError
+from tokstream.reader import mixture
+from tokstream.reader.config import DataConfig
+from tokstream.reader.batch_plan import BatchPlan
+from tokstream.reader.dataset import Dataset, is_remote, local_root, val_split_holds_a_batch, vocab_size
+from tokstream.reader.mixture import Source
+from tokstream.reader.token_dataset import TokenDataset
+from tokstream.reader.token_loader import TokenLoader
+
+
+class TrainBatches:
+    """This rank's micro-batches of the train split, epoch after epoch, with their position as its state.
+
+    Each is a dict: "tokens", (micro_batch_size, block_size + 1) in the dataset's dtype (uint16 for
+    GPT-2; to_device makes inputs and targets of it), "ids", the samples' ids in the dataset (a
+    mixture's sources one after another), and with `with_sources`, "source", each sample's source index
+    (Dataset.source_names). The rank and world come from torchrun's environment (RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE), as streaming reads them. Every step's samples are a function of the dataset,
+    its settings, the global batch and the step alone: state_dict() taken between any two micro-batches
+    resumes with the next one, on any world size and micro-batch that cut the same global batch.
+    """
+
+    def __init__(self, dataset: Dataset, plan: BatchPlan, pin_memory: bool = False, with_sources: bool = False):
+        config = dataset.config
+        self.epoch_samples = dataset.epoch_samples(plan)  # per source
+        self.loader = make_loader(config, config.split, plan.micro_batch_size, shuffle=True, pin_memory=pin_memory,
+                                  choose=self.epoch_samples, sources=dataset.sources, reuse_slots=True)
+        self._first_sample_of_source = self.loader.dataset.sample_offset_per_stream
+        # No reference back to self: a cycle would keep the loader's workers alive past the run.
+        self._batches = _epoch_after_epoch(self.loader, self._first_sample_of_source if with_sources else None)
+
+    def samples_per_source(self, sample_ids: list[int]) -> np.ndarray:
+        """How many of these samples each source gave."""
+        return np.bincount(_source_of(self._first_sample_of_source, np.asarray(sample_ids, dtype=np.int64)),
+                           minlength=len(self._first_sample_of_source))
+
+    def __iter__(self) -> "TrainBatches":
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        return next(self._batches)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a state_dict() (before the first batch is taken)."""
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        """End the epoch's iterator: its DataLoader workers exit and its shared ring is unmapped."""
+        self._batches.close()
+
+
+def _source_of(first_sample_of_source: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
+    return np.searchsorted(first_sample_of_source, sample_ids, side="right") - 1
+
+
+def _epoch_after_epoch(loader: TokenLoader, first_sample_of_source: np.ndarray | None
+                       ) -> Iterator[dict[str, torch.Tensor]]:
+    while True:  # streaming starts the next epoch on each new iterator
+        for batch in loader:
+            if first_sample_of_source is not None:
+                batch["source"] = torch.from_numpy(_source_of(first_sample_of_source, batch["ids"].numpy()))
+            yield batch
+
+
+def eval_batches(dataset: Dataset, micro_batch_size: int, world_size: int, pin_memory: bool = False
+                 ) -> tuple[dict[str, TokenLoader], list[str]]:
+    """A loader over each source's val split (data.val_split), unshuffled, every rank its own part, for the
+    sources whose split gives every rank a micro-batch; and a line for each source left out."""
+    split = dataset.config.val_split
+    loaders, left_out = {}, []
+    for source, samples in zip(dataset.sources, dataset.samples(split)):
+        if val_split_holds_a_batch(samples, world_size, micro_batch_size):
+            loaders[source.name] = make_loader(dataset.config, split, micro_batch_size, shuffle=False,
+                                               pin_memory=pin_memory, num_workers=0, sources=[source])
+        elif samples:
+            left_out.append(f"evaluation of {source.where} is off: its {split} split has {samples} samples, fewer "
+                            f"than one micro-batch of {micro_batch_size} on each of {world_size} ranks")
+    return loaders, left_out
+
+
+# Streaming's own default, 8 x the batch, caps a reader: once its ready thread is that far ahead it
+# sleeps a 7 ms tick, so at batch 16 at most 128 samples pass per tick (about 18 M tokens/s, measured
+# 16 M by bench/loader.py). 2,048 samples lift the cap past 290 k samples/s. With a cache_limit the
+# download-ahead must also fit the cache, so streaming's default stays.
+MIN_PREDOWNLOAD = 2048
+
+
+def predownload(config: DataConfig, batch_size: int) -> int:
+    if config.predownload is not None:
+        return config.predownload
+    return 8 * batch_size if config.cache_limit else max(8 * batch_size, MIN_PREDOWNLOAD)
+
+
+def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, pin_memory: bool,
+                num_workers: int | None = None, choose: list[int] | None = None,
+                sources: list[Source] | None = None, reuse_slots: bool = False) -> TokenLoader:
+    """A loader over the split of every source (or of `sources`), each giving `choose[i]` samples an
+    epoch (default: each of its samples once). `reuse_slots`: see TokenLoader."""
+    sources = mixture.sources(config) if sources is None else sources
+    streams = []
+    for index, source in enumerate(sources):
+        # A remote (or a local dataset with a separate local cache) is downloaded/copied by streaming.
+        remote = source.remote if is_remote(source.remote) or source.local else None
+        streams.append(Stream(remote=remote, local=local_root(source), split=split,
+                              choose=None if choose is None else choose[index],
+                              validate_hash=config.validate_hash if remote else None))
+    try:
+        dataset = TokenDataset(
+            streams=streams, shuffle=shuffle,
+            shuffle_seed=config.shuffle_seed, shuffle_algo=config.shuffle_algo,
+            shuffle_block_size=config.shuffle_block_size, num_canonical_nodes=config.num_canonical_nodes,
+            batch_size=batch_size, cache_limit=config.cache_limit,
+            predownload=predownload(config, batch_size), download_retry=config.download_retry,
+            vocab_sizes=[vocab_size(source, split) for source in sources],
+        )
+    except ValueError as err:  # streaming's word on a bad setting, e.g. a cache_limit below 4 shards
+        raise UserError(f"data ({split}): {err}") from None
+    workers = config.num_workers if num_workers is None else num_workers
+    return TokenLoader(dataset, batch_size, workers, pin_memory, reuse_slots=reuse_slots,
+                       prefetch_factor=config.prefetch_factor if workers else None,
+                       persistent_workers=False)
+
+
+_SIGNED_OF_SAME_WIDTH = {torch.uint16: torch.int16, torch.uint32: torch.int32}
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets on the device as int64, from the B + 1 token samples.
+
+    Tokens cross in their stored width. They are widened on the device through a signed view of
+    the same bits and a mask, because torch's uint16/uint32 have only partial kernel support.
+    """
+    tokens = batch["tokens"]
+    signed = _SIGNED_OF_SAME_WIDTH.get(tokens.dtype)
+    if signed is None:
+        wide = tokens.to(device, non_blocking=True).long()
+    else:
+        mask = (1 << (8 * tokens.element_size())) - 1
+        wide = tokens.view(signed).to(device, non_blocking=True).long() & mask
+    return wide[:, :-1], wide[:, 1:]

@@ -1,0 +1,41 @@
+"""The reader's settings: which converted datasets (one, or a weighted mixture), how to order and cache
+them. Training's YAML holds them under `data:`."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StreamConfig:
+    """One source of a mixture (data.streams): a converted dataset and its weight, streaming's Stream."""
+
+    remote: str = ""  # dataset root: local path or s3://...
+    local: str | None = None  # its own cache when remote; default: data.local/<name>
+    name: str | None = None  # label in metrics; default: the remote's last path component
+    # At most one weight, the same kind for every source. proportion: the share of each epoch, whose
+    # size is all sources' samples together. repeat (x its samples) or choose (samples): per epoch.
+    # None everywhere: every sample once. The epoch is cut to whole steps (mixture.py).
+    proportion: float | None = None
+    repeat: float | None = None
+    choose: int | None = None
+
+
+@dataclass
+class DataConfig:
+    remote: str = ""  # dataset root written by a converter: local path or s3://...; or data.streams
+    local: str | None = None  # local cache for a remote; defaults to remote when that is a path
+    split: str = "train"
+    val_split: str = "val"
+    shuffle_seed: int = 9176
+    shuffle_algo: str = "py1e"
+    shuffle_block_size: int | None = None
+    # Fixed, not derived from the cluster: the global sample order depends on it, so keeping it
+    # constant is what lets a run resume on a different number of nodes and ranks.
+    num_canonical_nodes: int = 1
+    num_workers: int = 0  # in-process reading is far ahead of a GPU's needs; workers add to it (bench/loader.py)
+    prefetch_factor: int | None = None
+    predownload: int | None = None  # samples each worker prepares ahead; None: data.predownload()
+    cache_limit: str | int | None = None  # bound on the local cache of a remote dataset, e.g. "10gb"
+    validate_hash: str | None = "xxh64"  # check each downloaded shard against the index
+    download_retry: int = 4
+    clean_stale_shared_memory: bool = True
+    streams: list[StreamConfig] = field(default_factory=list)  # a mixture, instead of data.remote

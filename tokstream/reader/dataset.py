@@ -1,0 +1,197 @@
+"""A converted dataset (or a mixture's sources) opened for reading: index files fetched, checked against
+the metadata and the model, and its identity (a resumed run must read the very same samples)."""
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokstream.errors import UserError
+from tokstream.format import (METADATA_FILE, DatasetMetadata, check_compatible, read_metadata, shard_sample_count,
+                              stored_file)
+from tokstream.reader import mixture
+from tokstream.reader.batch_plan import BatchPlan
+from tokstream.reader.config import DataConfig
+from tokstream.reader.mixture import Source
+from tokstream.reader.token_dataset import damaged_shard, sample_count_problem
+
+
+def is_remote(path: str) -> bool:
+    return "://" in path
+
+
+def local_root(source: Source) -> str:
+    """Where StreamingDataset keeps (or, for a local dataset, finds) the source's shards."""
+    if is_remote(source.remote):
+        if not source.local:
+            setting = "data.local" if source.key == "data.remote" else f"{source.key}.local (or data.local)"
+            raise UserError(f"{source.where}={source.remote} is remote: set {setting} to a local cache directory")
+        return source.local
+    if not Path(source.remote).is_dir():
+        raise UserError(f"{source.where}={source.remote} does not exist; convert a dataset first "
+                        "(python convert/owt_to_mds.py --out ...)")
+    return source.local or source.remote
+
+
+def cache_dirs(config: DataConfig) -> list[str]:
+    """The split directories StreamingDataset registers in shared memory for this run."""
+    return [os.path.join(local_root(source), split) for source in mixture.sources(config)
+            for split in (config.split, config.val_split)]
+
+
+def fetch_index_files(source: Source, splits: tuple[str, ...]) -> Path:
+    """The directory holding the source's metadata.json and each split's index.json, downloaded first
+    if remote.
+
+    Every rank downloads its own copy under a unique name and renames it into place, so ranks
+    sharing a node never read a half-written file.
+    """
+    if not is_remote(source.remote):
+        local_root(source)  # checks that it exists
+        return Path(source.remote)
+    if not source.remote.startswith("s3://"):
+        raise UserError(f"{source.where}={source.remote}: only local paths and s3:// are supported")
+    from tokstream.object_store import S3Dataset
+
+    store = S3Dataset(source.remote)
+    root = Path(local_root(source))
+    if not store.exists(METADATA_FILE):
+        raise UserError(f"{source.remote} has no {METADATA_FILE}: not a converted dataset, or its conversion "
+                        "has not finished")
+    if not store.exists(f"{splits[0]}/index.json"):
+        raise UserError(f"{source.remote}/{splits[0]}/index.json is missing: the split's conversion never "
+                        "finished, or data.split names a split the dataset lacks")
+    for relative in [METADATA_FILE] + [f"{s}/index.json" for s in splits]:
+        if relative == METADATA_FILE or store.exists(relative):
+            target = root / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            temporary = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            store.download(relative, temporary)
+            os.replace(temporary, target)
+    return root
+
+
+def check_split(root: Path, split: str, metadata: DatasetMetadata, dataset: str, local_files: bool) -> None:
+    """A split's index.json against the metadata's count and, with `local_files` (a local dataset), every
+    shard it names against the file: its size (hashes are convert/verify.py's job) and, uncompressed, the
+    sample count in its header (4 bytes read; a compressed shard's is checked when the reader maps it).
+    A stale count is named here, not found as epochs of repeats or an IndexError deep in a reader."""
+    index = root / split / "index.json"
+    if not index.is_file():
+        raise UserError(f"{index} is missing: the {split} split's conversion never finished; reconvert it")
+    try:
+        shards = json.loads(index.read_text())["shards"]
+        indexed = sum(shard["samples"] for shard in shards)
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise UserError(f"{index} is damaged ({type(err).__name__}: {err}); reconvert the split") from None
+    if metadata.splits[split].samples != indexed:
+        raise UserError(f"{dataset}/{METADATA_FILE} says the {split} split has {metadata.splits[split].samples} "
+                        f"samples, its index.json {indexed}: one of them is stale or hand-edited; python "
+                        f"convert/verify.py {dataset} checks the dataset, reconverting repairs it")
+    if not local_files:  # remote shards are checked against their hashes as they arrive, and when mapped
+        return
+    for shard in shards:
+        stored = stored_file(shard)
+        path = root / split / stored["basename"]
+        size = path.stat().st_size if path.is_file() else None
+        if size != stored["bytes"]:
+            raise UserError(damaged_shard(path, "is missing" if size is None else
+                                          f"has {size} bytes, the index says {stored['bytes']}", dataset))
+        if shard["zip_data"] is None and (problem := sample_count_problem(shard_sample_count(path), shard["samples"])):
+            raise UserError(damaged_shard(path, problem, dataset))
+
+
+def dataset_identity(root: Path, split: str) -> str:
+    """Digest of the metadata and the split's index: a resumed run must see the very same samples."""
+    digest = hashlib.sha256(Path(root, METADATA_FILE).read_bytes())
+    digest.update(Path(root, split, "index.json").read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """The converted datasets a reader reads (one, or a mixture's sources), opened and checked."""
+
+    config: DataConfig
+    sources: list[Source]
+    metadata: list[DatasetMetadata]  # per source
+    identity: str  # of the train split(s): a resumed run must read the very same samples
+
+    @property
+    def source_names(self) -> list[str]:
+        return [source.name for source in self.sources]
+
+    @property
+    def block_size(self) -> int:
+        return self.metadata[0].block_size  # the same in every source (mixture.check_same_tokens)
+
+    @property
+    def cache_dirs(self) -> list[str]:
+        """The split directories its StreamingDatasets register in shared memory (stale_shm.py)."""
+        return cache_dirs(self.config)
+
+    def samples(self, split: str) -> list[int]:
+        """The split's samples in each source (0 where a source lacks the split)."""
+        return [m.splits[split].samples if split in m.splits else 0 for m in self.metadata]
+
+    def epoch_samples(self, plan: BatchPlan) -> list[int]:
+        """Each source's samples per epoch of the train split (mixture.samples_per_epoch), their sum a whole
+        number of steps (plan.epoch_samples); refuses a split too small for one epoch (its ranks would wait
+        forever for a batch)."""
+        split, nodes = self.config.split, self.config.num_canonical_nodes
+        unit = plan.epoch_unit(nodes)
+        counts = mixture.samples_per_epoch(self.sources, self.samples(split), unit)
+        if sum(counts) == 0:
+            need = (f"one step's global_batch_size {plan.global_batch_size}" if unit == plan.global_batch_size else
+                    f"{unit}, the smallest epoch of whole steps of {plan.global_batch_size} that divides over "
+                    f"data.num_canonical_nodes {nodes}")
+            held = (f"the {split} split has {sum(self.samples(split))} samples" if len(counts) == 1 else
+                    f"the mixture's weights give an epoch of {split} fewer samples")
+            raise UserError(f"{held}, fewer than {need}: convert more data or lower global_batch_size")
+        return counts
+
+    def describe_epoch(self, plan: BatchPlan) -> str:
+        """One line for the start of a run: the epoch's steps and what each source gives it."""
+        return mixture.describe_epoch(self.sources, self.samples(self.config.split), self.epoch_samples(plan),
+                                      plan.global_batch_size)
+
+    def check_resumes(self, saved_identity: str) -> None:
+        """Refuse to resume on other samples than a checkpoint's (the settings that order them: the trainer's
+        resume_policy.py)."""
+        if saved_identity != self.identity:
+            raise UserError("the dataset differs from the one the checkpoint was trained on; use a new run_dir")
+
+
+def open_dataset(config: DataConfig, vocab_size: int | None = None, block_size: int | None = None) -> Dataset:
+    """Fetch each source's index files (once, when remote) and check them; refuse a dataset that does not fit
+    the model (`vocab_size`, `block_size`: a model's, when given), or sources that do not fit each other."""
+    sources = mixture.sources(config)
+    metadata, identities = [], []
+    for source in sources:
+        root = fetch_index_files(source, (config.split, config.val_split))
+        metadata.append(read_metadata(root))
+        check_compatible(metadata[-1], vocab_size or metadata[-1].vocab_size, block_size or metadata[-1].block_size,
+                         source.remote)
+        if config.split not in metadata[-1].splits:
+            raise UserError(f"{source.remote} has no {config.split} split (it has {', '.join(metadata[-1].splits)}): "
+                            "set data.split")
+        for split in {config.split, config.val_split} & set(metadata[-1].splits):
+            check_split(root, split, metadata[-1], source.remote.rstrip("/"), local_files=not is_remote(source.remote))
+        identities.append(dataset_identity(root, config.split))
+    mixture.check_same_tokens(sources, metadata)
+    return Dataset(config, sources, metadata, mixture.identity(identities))
+
+
+def val_split_holds_a_batch(samples: int, world_size: int, micro_batch_size: int) -> bool:
+    """Whether every rank gets at least one micro-batch of a split of `samples` (streaming gives each rank
+    ceil(samples / ranks) samples and the loader drops a partial batch)."""
+    return math.ceil(samples / world_size) >= micro_batch_size
+
+
+def vocab_size(source: Source, split: str) -> int:
+    """The source's vocab_size from its metadata.json: where open_dataset left it, or fetched now by a
+    loader made without it (a benchmark's)."""
+    fetched = is_remote(source.remote) and Path(local_root(source), METADATA_FILE).is_file()
+    return read_metadata(local_root(source) if fetched else fetch_index_files(source, (split,))).vocab_size

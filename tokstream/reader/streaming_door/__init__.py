@@ -1,0 +1,34 @@
+"""Streaming behind one door: everything in tokstream that touches mosaicml-streaming's private names,
+or replaces its module attributes, lives in this package and nowhere else (tests/test_layout.py).
+
+- streaming_import.py: `import streaming` without transformers and torchvision until they are used.
+- streaming_internals.py: the private names relied on, checked against the streaming versions it
+  names (CHECKED_VERSIONS); WindowedDownloadAhead, the StreamingDataset the reader's dataset extends.
+- epoch_order.py, lean_spanner.py, prefix_registration.py: equal, faster replacements for streaming's
+  epoch order, sample-to-shard lookup and shared-memory numbering.
+
+Importing any of it changes nothing in streaming. `install()` puts the replacements in place, for
+every StreamingDataset built after it in this process; the reader's TokenDataset calls it. A process
+that never builds a reader (a converter, a stock-streaming reference) keeps streaming as shipped.
+"""
+
+
+def install() -> None:
+    """Put the project's replacements into streaming's modules (idempotent)."""
+    from tokstream.reader.streaming_door import epoch_order, lean_spanner, prefix_registration
+    from tokstream.reader.streaming_door import streaming_internals as internals
+
+    internals.install_epoch_order(epoch_order.get_sampling_vectorized, epoch_order.get_shuffle_py1e_fast,
+                                  epoch_order.generate_work_random)
+    internals.install_spanner(lean_spanner.LeanSpanner)
+    internals.install_prefix_registration(prefix_registration.get_shm_prefix_claimed)
+    internals.install_file_lock()
+
+
+def installed() -> bool:
+    """Whether install() has run in this process."""
+    from tokstream.reader.streaming_door import epoch_order
+    from tokstream.reader.streaming_door import streaming_internals as internals
+
+    return internals.epoch_order_in_force(epoch_order.get_sampling_vectorized, epoch_order.get_shuffle_py1e_fast,
+                                          epoch_order.generate_work_random)
