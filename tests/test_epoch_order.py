@@ -1,4 +1,4 @@
-"""tokstream/train/epoch_order.py against the streaming and numpy functions it stands in for: equal results.
+"""tokstream/reader/streaming_door/epoch_order.py against the streaming and numpy functions it stands in for: equal results.
 
 These replacements decide which samples an epoch holds and in which order, so "equal" is exact
 equality on random inputs, covering each path they take. Single functions are compared with
@@ -19,6 +19,14 @@ from tokstream.reader.streaming_door.streaming_internals import epoch_order_in_f
 from tokstream.reader.streaming_door.streaming_internals import World, get_shuffle, stock_get_sampling
 from tokstream.reader.streaming_door.streaming_internals import stock_get_shuffle_py1e as get_shuffle_py1e
 from stock_streaming import EveryOtherSample, configure, streaming_dataset
+
+from tokstream.reader import streaming_door
+
+
+@pytest.fixture(autouse=True, scope="module")
+def the_projects_epoch_order():
+    """In force as in every process that builds a reader (TokenDataset calls install())."""
+    streaming_door.install()
 
 
 def test_the_tail_of_numpys_permutation_drawn_alone_is_numpys():

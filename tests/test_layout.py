@@ -112,15 +112,19 @@ def test_only_scripts_edit_sys_path_and_only_to_put_the_repository_root_first():
             assert not lines, (path, lines)
 
 
-def test_another_streaming_version_is_refused_in_one_line(monkeypatch):
-    """The fence module, run afresh (a copy, not the imported one) under another streaming version."""
+@pytest.mark.parametrize("version", ["0.99.0", "0.12.0"])
+def test_another_streaming_version_is_refused_in_one_line(monkeypatch, version):
+    """The fence module, run afresh (a copy, not the imported one) under another version of the installed
+    distribution (mosaicml-streaming in requirements.lock, streaming-community in requirements-community.lock)."""
     import streaming
 
     from tokstream.errors import UserError
+    from tokstream.reader.streaming_door.streaming_internals import streaming_distribution
 
-    monkeypatch.setattr(streaming, "__version__", "0.99.0")
+    monkeypatch.setattr(streaming, "__version__", version)
     spec = importlib.util.spec_from_file_location("fence_under_another_version", FENCE)
     with pytest.raises(UserError) as refused:
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    assert "mosaicml-streaming 0.99.0 is installed" in str(refused.value)
-    assert "pip install mosaicml-streaming==0.13.0" in str(refused.value)
+    assert str(refused.value).startswith(f"{streaming_distribution()} {version} is installed; ")
+    assert str(refused.value).endswith("pip install 'tokstream[mosaicml]' (mosaicml-streaming==0.13.0) or "
+                                       "'tokstream[community]' (streaming-community 0.14)")

@@ -36,6 +36,7 @@ RESUME_AT = NODES * RANKS * BATCH * 37  # samples of epoch 1 seen before the rel
 RANK_SCRIPT = r"""
 import gc, json, os, sys
 import torch.distributed as dist
+from tokstream.reader import streaming_door
 from tokstream.reader.streaming_door import epoch_order, streaming_internals as internals
 from tokstream.reader.config import DataConfig
 from tokstream.reader.batches import make_loader
@@ -50,6 +51,7 @@ def counted(dataset, world, epoch, sample_in_epoch):
     return epoch_order.generate_work_random(dataset, world, epoch, sample_in_epoch)
 
 
+streaming_door.install()  # as every reader does, and then the counted batching over it
 internals.install_epoch_order(epoch_order.get_sampling_vectorized, epoch_order.get_shuffle_py1e_fast, counted)
 dist.init_process_group("gloo")
 

@@ -13,8 +13,16 @@ that never builds a reader (a converter, a stock-streaming reference) keeps stre
 """
 
 
+_installed = False
+
+
 def install() -> None:
-    """Put the project's replacements into streaming's modules (idempotent)."""
+    """Put the project's replacements into streaming's modules, once per process (a later call changes
+    nothing, so a test may put its own wrapper over one of them)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
     from tokstream.reader.streaming_door import epoch_order, lean_spanner, prefix_registration
     from tokstream.reader.streaming_door import streaming_internals as internals
 

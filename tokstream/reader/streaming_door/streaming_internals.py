@@ -1,8 +1,8 @@
-"""The one place that touches mosaicml-streaming's private internals; nothing else in the project does.
+"""The fence of the door (streaming_door/): the private names of streaming the project relies on.
 
-Checked against mosaicml-streaming 0.13.0 (CHECKED_VERSIONS). Importing this module with any
-other version fails with one line, because what follows relies on names streaming does not
-promise to keep:
+Checked against mosaicml-streaming 0.13.0 and streaming-community 0.14 (CHECKED_VERSIONS). Importing
+this module with any other version fails with one line, because what follows relies on names
+streaming does not promise to keep:
 
 - `_ShardState` and `StreamingDataset._shard_states`: whether a shard is on local disk;
 - `StreamingDataset._shard_access_times`: the clock streaming's cache eviction reads;
@@ -34,6 +34,7 @@ To move to a new streaming version: read those names in its source, run the fast
 training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
 """
 
+import importlib.metadata
 import os
 import shutil
 import threading
@@ -68,11 +69,29 @@ from torch.utils.data import get_worker_info
 from tokstream.errors import NoSpace, UserError, no_space, out_of_space
 from tokstream.format import index_shards
 
-CHECKED_VERSIONS = ("0.13.0",)
-if streaming.__version__ not in CHECKED_VERSIONS:
-    raise UserError(f"mosaicml-streaming {streaming.__version__} is installed; this project reaches into its "
-                    f"internals and is checked only against {', '.join(CHECKED_VERSIONS)}: "
-                    f"pip install mosaicml-streaming=={CHECKED_VERSIONS[-1]}")
+# The distributions that provide the `streaming` module, and the versions of each these names were read in.
+# streaming-community is mosaicml-streaming's maintained fork (same module, MDS format and state keys);
+# the suite runs against 0.14.2 (requirements-community.lock), and its 0.14 releases keep these names.
+CHECKED_VERSIONS = {"mosaicml-streaming": ("0.13.0",), "streaming-community": ("0.14.",)}
+
+
+def streaming_distribution() -> str | None:
+    """Which distribution installed the `streaming` module (None: neither, e.g. a source checkout)."""
+    for name in CHECKED_VERSIONS:
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return name
+    return None
+
+
+_distribution = streaming_distribution()
+if _distribution is None or not streaming.__version__.startswith(CHECKED_VERSIONS[_distribution]):
+    raise UserError(f"{_distribution or 'streaming'} {streaming.__version__} is installed; this project reaches into "
+                    "its internals and is checked only against mosaicml-streaming 0.13.0 and streaming-community "
+                    "0.14.x: pip install 'tokstream[mosaicml]' (mosaicml-streaming==0.13.0) or "
+                    "'tokstream[community]' (streaming-community 0.14)")
 
 _LOCAL = int(_ShardState.LOCAL)  # plain ints: IntEnum comparisons are slow per sample
 _REMOTE = int(_ShardState.REMOTE)
