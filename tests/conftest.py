@@ -5,6 +5,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +86,52 @@ def namespaces_permitted() -> bool:
     """Whether processes can get a node's own /dev/shm here (several nodes on one machine)."""
     return subprocess.run(["unshare", "--ipc", "--mount", "--propagation", "private", "true"],
                           capture_output=True).returncode == 0
+
+
+class Node(subprocess.Popen):
+    """A node simulated on this machine: the shell `script` in an IPC and mount namespace of its own (what
+    it mounts, such as its own /dev/shm, nothing else sees), its output (stdout and stderr together) read
+    as it comes, so that a node that fails shows why, whatever the test was waiting for."""
+
+    def __init__(self, name: str, script: str, env: dict):
+        super().__init__(["unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c", script], cwd=ROOT,
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.name = name
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.stdout:
+            self._lines.append(line)
+
+    def report(self, size: int = 4000) -> str:
+        """Whether it runs, and the last `size` characters of its output so far."""
+        state = "running" if self.poll() is None else f"exited with status {self.returncode}"
+        return f"--- {self.name} ({state}), the end of its output:\n{''.join(self._lines)[-size:]}"
+
+    def communicate(self, input=None, timeout: float | None = None) -> tuple[str, None]:
+        """Its whole output once it has ended (and every process it started that held its output); still
+        running after `timeout`: the test fails with its output so far."""
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout} s\n{self.report()}") from None
+        self._reader.join(timeout)
+        assert not self._reader.is_alive(), f"ended, but what it started still holds its output\n{self.report()}"
+        return "".join(self._lines), None
+
+
+def wait_for_nodes(nodes: list[Node], condition, timeout: float = 180) -> None:
+    """Wait until condition() holds, every node running; a node that ends first, or the timeout, fails
+    the test with every node's output."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        ended = any(node.poll() is not None for node in nodes)
+        if ended or time.monotonic() > deadline:
+            why = "a node ended" if ended else f"timed out after {timeout} s"
+            raise AssertionError(f"{why} before what the test waits for\n" + "\n".join(map(Node.report, nodes)))
+        time.sleep(0.05)
 
 
 def run_script(script: str, *args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:

@@ -16,14 +16,13 @@ import os
 import re
 import shlex
 import signal
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 import test_training as training
-from conftest import ROOT, namespaces_permitted
+from conftest import ROOT, Node, namespaces_permitted, wait_for_nodes
 
 from tokstream.testing.loopback_s3 import free_port
 from tokstream.train.checkpoint_files import checkpoint_name, latest_step
@@ -78,7 +77,7 @@ print(json.dumps({"pid": os.getpid(), "epochs": epochs}), flush=True)
 """
 
 
-def launch_node(node: int, port: int, dataset, node_dir) -> subprocess.Popen:
+def launch_node(node: int, port: int, dataset, node_dir) -> Node:
     """One node: its own /dev/shm and lock-file directory, its ranks started together inside."""
     ranks = []
     for local_rank in range(RANKS):
@@ -89,9 +88,8 @@ def launch_node(node: int, port: int, dataset, node_dir) -> subprocess.Popen:
                 json.dumps(SETTINGS)]
         out = node_dir / f"rank{local_rank}.json"
         ranks.append(f"env {' '.join(f'{k}={v}' for k, v in env.items())} {shlex.join(args)} > {out} &")
-    script = f"mount -t tmpfs node-shm /dev/shm && {' '.join(ranks)} wait"
-    return subprocess.Popen(["unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c", script],
-                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE, text=True)
+    return Node(f"node {node}", f"mount -t tmpfs node-shm /dev/shm && {' '.join(ranks)} wait",
+                env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
 def expected_reads(dataset, stock) -> list[np.ndarray]:
@@ -130,7 +128,7 @@ def test_two_nodes_of_two_ranks_compute_the_order_once_per_node_and_read_streami
     for node, node_dir in enumerate(node_dirs):
         node_dir.mkdir()
         nodes.append(launch_node(node, port, dataset, node_dir))
-    errors = [node.communicate(timeout=240)[1] for node in nodes]
+    errors = [node.communicate(timeout=240)[0] for node in nodes]
     assert all(node.returncode == 0 for node in nodes), "\n".join(e[-3000:] for e in errors)
     reports = [[json.loads((node_dir / f"rank{r}.json").read_text()) for r in range(RANKS)] for node_dir in node_dirs]
 
@@ -152,15 +150,13 @@ def test_two_nodes_of_two_ranks_compute_the_order_once_per_node_and_read_streami
         assert len(read) == len(set(read)) > 1000  # no sample twice in an epoch across nodes and ranks
 
 
-def launch_training_node(node: int, port: int, dataset, run_dir, node_dir) -> subprocess.Popen:
-    """One node's torchrun with two ranks, on a disk of its own (node_dir: data cache, run_local,
-    TMPDIR) and its own /dev/shm; run_dir is shared, as a run's storage must be."""
-    (node_dir / "tmp").mkdir(parents=True)
+def launch_training_node(node: int, port: int, dataset, run_dir, node_dir) -> Node:
+    """One node's torchrun with two ranks, on a disk of its own (a tmpfs at node_dir: data cache,
+    run_local, TMPDIR) and its own /dev/shm; run_dir is shared, as a run's storage must be."""
     return training.launch_node(node, NODES, RANKS, port, f"data.remote={dataset}", f"run_dir={run_dir}",
                                 f"data.local={node_dir / 'cache'}", f"run_local={node_dir / 'run'}",
                                 "micro_batch_size=2",  # 4 ranks x 2 samples: the reference's 8 (2 ranks x 4)
-                                mounts="mount -t tmpfs node-shm /dev/shm",
-                                env=dict(os.environ, TMPDIR=str(node_dir / "tmp")))
+                                disk=node_dir)
 
 
 def final_tensors(run_dir) -> list:
@@ -182,12 +178,12 @@ def test_training_on_two_nodes_of_two_ranks_stops_together_and_resumes_bitwise(r
     takes, step by step, the samples of one node of two ranks (the same global batch, split 4 x 2 instead
     of 2 x 4)."""
 
-    def job(run_dir, launch: str) -> list[subprocess.Popen]:
+    def job(run_dir, launch: str) -> list[Node]:
         port = free_port()
         return [launch_training_node(node, port, dataset, run_dir, tmp_path / launch / f"node{node}")
                 for node in range(NODES)]
 
-    def finished(nodes: list[subprocess.Popen]) -> list[str]:
+    def finished(nodes: list[Node]) -> list[str]:
         outputs = [node.communicate(timeout=300)[0] for node in nodes]
         assert all(node.returncode == 0 for node in nodes), "\n".join(o[-3000:] for o in outputs)
         return outputs
@@ -202,7 +198,7 @@ def test_training_on_two_nodes_of_two_ranks_stops_together_and_resumes_bitwise(r
     run_dir = tmp_path / "run"
     store = LocalRunStore(run_dir)
     nodes = job(run_dir, "first")
-    training.wait_for(lambda: (latest_step(store) or 0) >= 4)
+    wait_for_nodes(nodes, lambda: (latest_step(store) or 0) >= 4)
     nodes[1].send_signal(signal.SIGTERM)
     outputs = [node.communicate(timeout=120)[0] for node in nodes]  # both end, not only the signalled one
     assert all(node.returncode != 0 for node in nodes), "\n".join(o[-2000:] for o in outputs)

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 import test_training as training
-from conftest import (BUCKET, ROOT, namespaces_permitted, run_script, shakespeare_paragraphs, tagged_lines,
-                      tree_bytes, wikitext_articles, write_jsonl)
+from conftest import (BUCKET, ROOT, Node, namespaces_permitted, run_script, shakespeare_paragraphs, tagged_lines,
+                      tree_bytes, wait_for_nodes, wikitext_articles, write_jsonl)
 from tokstream.object_store import S3Dataset
 from tokstream.testing.loopback_s3 import free_port
 from tokstream.testing.processes import kill_tree
@@ -253,26 +253,25 @@ def test_a_checkpoint_whose_upload_fails_never_becomes_the_newest(proxy, tmp_pat
 
 
 # Several nodes on one machine, as a cluster has them: one torchrun agent per node, each in its own IPC
-# and mount namespaces with private tmpfs on /dev/shm (streaming's shared memory) and /tmp (its lock
-# files, the node's data cache and run_local: the node's disk, gone with the node), meeting by static
+# and mount namespaces with private tmpfs on /dev/shm (streaming's shared memory) and on a folder of its
+# own, its TMPDIR (its lock files, the node's data cache and run_local: the node's disk, gone with the
+# node; not /tmp itself, which would hide a checkout under /tmp), meeting by static
 # rendezvous on 127.0.0.1. The run is in S3, as for a cluster of preemptible nodes without a shared
 # filesystem; the test sees what a scheduler would: the processes and the store.
 CACHE_LIMIT = "data.cache_limit=300kb"  # under half the 700 kB dataset: streaming evicts, and must resume exactly
 
 
-def launch_node(node: int, nodes: int, port: int, dataset: str, run_dir: str) -> subprocess.Popen:
-    """One node's torchrun with one rank, its /tmp (data cache, run_local, lock files) and /dev/shm its own."""
-    env = {k: v for k, v in os.environ.items() if k != "TMPDIR"}
+def launch_node(node: int, nodes: int, port: int, dataset: str, run_dir: str, disk) -> Node:
+    """One node's torchrun with one rank, its disk (data cache, run_local, lock files) and /dev/shm its own."""
     return training.launch_node(node, nodes, 1, port, f"data.remote={dataset}", f"run_dir={run_dir}",
-                                "data.local=/tmp/cache", "run_local=/tmp/run", CACHE_LIMIT,
-                                mounts="mount -t tmpfs node-shm /dev/shm && mount -t tmpfs node-disk /tmp", env=env)
+                                f"data.local={disk / 'cache'}", f"run_local={disk / 'run'}", CACHE_LIMIT, disk=disk)
 
 
 @pytest.mark.long
 @pytest.mark.skipif(not namespaces_permitted(), reason="namespaces are not permitted here (unshare --ipc --mount "
                     "failed): several nodes on one machine need root or user namespaces")
 def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_disks(reference, plays_on_s3, s3, tmp_path):
-    """2 nodes x 1 rank, dataset and run_dir in S3, each node's disk (/tmp and /dev/shm) gone whenever
+    """2 nodes x 1 rank, dataset and run_dir in S3, each node's disk (a tmpfs) and /dev/shm gone whenever
     the job ends. A notice to node 1 alone: every rank checkpoints at the same step and both agents
     exit at once with a non-zero status a scheduler requeues on (node 0's used to wait out its exit
     barrier). Relaunched on new disks, node 1 is then lost for good (SIGKILL) right after the next
@@ -284,18 +283,20 @@ def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_dis
     run_dir = f"s3://{BUCKET}/runs/two-nodes"
     store = S3RunStore(run_dir, tmp_path / "reader")
 
-    def job() -> list[subprocess.Popen]:
+    disks = [tmp_path / f"node{node}" for node in range(2)]  # each launch mounts a new one there
+
+    def job() -> list[Node]:
         port = free_port()
-        return [launch_node(node, 2, port, plays_on_s3, run_dir) for node in range(2)]
+        return [launch_node(node, 2, port, plays_on_s3, run_dir, disks[node]) for node in range(2)]
 
     def newest_checkpoint() -> int:
         return latest_step(store) or 0
 
     nodes = job()
-    training.wait_for(lambda: newest_checkpoint() >= 4)
+    wait_for_nodes(nodes, lambda: newest_checkpoint() >= 4)
     nodes[1].send_signal(signal.SIGTERM)
     outputs = [node.communicate(timeout=90)[0] for node in nodes]  # both gone, not just the signalled one
-    assert all(node.returncode != 0 for node in nodes)
+    assert all(node.returncode != 0 for node in nodes), "\n".join(map(Node.report, nodes))
     assert "preempted (signal to another rank)" in outputs[0], outputs[0][-3000:]
     stopped = len(training.metrics(run_dir))
     assert stopped >= 4 and newest_checkpoint() == stopped
@@ -303,10 +304,11 @@ def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_dis
     assert periodic < training.STEPS, "the notice came too late for the rest of the test"
 
     nodes = job()
-    training.wait_for(lambda: newest_checkpoint() >= periodic)
+    wait_for_nodes(nodes, lambda: newest_checkpoint() >= periodic)
     for node in (nodes[1], nodes[0]):  # node 1 lost; the scheduler then ends the job's other node
         kill_tree(node.pid)
         node.communicate(timeout=60)
+    assert not [path for disk in disks for path in disk.iterdir()]  # the nodes' files were on their own disks alone
 
     resumed_from = f"ckpt-{periodic:08d}.pt"
     # The node's first rank cannot download it: the job stops with its one line (no rank waits for it forever).

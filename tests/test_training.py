@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, SHARED, Node
 
 from tokstream.errors import UserError
 from tokstream.train.metrics import read_records
@@ -38,19 +38,25 @@ def launch(nproc: int, dataset: Path | str | None, run_dir: Path, *overrides: st
                             start_new_session=True)
 
 
-def launch_node(node: int, nodes: int, nproc: int, port: int, *overrides: str, mounts: str,
-                env: dict) -> subprocess.Popen:
+def launch_node(node: int, nodes: int, nproc: int, port: int, *overrides: str, disk: Path) -> Node:
     """Node `node` of a job of `nodes` on this machine: torchrun train/main.py on BASE in an IPC and
-    mount namespace of its own (`mounts`: its /dev/shm and whatever else is the node's own disk),
-    meeting the other nodes on 127.0.0.1:port. The process is torchrun itself (unshare and sh exec
-    it), so a signal to it is a signal to the node's agent."""
+    mount namespace of its own, meeting the other nodes on 127.0.0.1:port, with its own /dev/shm and its
+    own disk: a tmpfs mounted at `disk` (its TMPDIR: streaming's lock files; the callers put its data
+    cache and run_local there too), empty at each launch and gone with the node. `disk` is a folder of
+    its own: a tmpfs over one of its parents (/tmp) would hide the checkout, the venv or ../shared
+    when they are under it. The process is torchrun itself (unshare and sh exec it), so a signal to
+    it is a signal to the node's agent."""
+    disk = Path(disk).resolve()
+    needed = (ROOT, SHARED, Path(sys.prefix), Path(sys.base_prefix))  # the code, its data, the venv and its python
+    hidden = [str(path) for path in needed if path.is_relative_to(disk) or path.resolve().is_relative_to(disk)]
+    assert not hidden, f"a node's disk at {disk} would hide {hidden}"
+    disk.mkdir(parents=True, exist_ok=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node}",
                 f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}",
                 str(ROOT / "train/main.py"), *BASE, *overrides]
-    return subprocess.Popen(["unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c",
-                             f"{mounts} && exec {shlex.join(torchrun)}"],
-                            cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    mounts = f"mount -t tmpfs node-shm /dev/shm && mount -t tmpfs node-disk {shlex.quote(str(disk))}"
+    return Node(f"node {node}", f"{mounts} && exec {shlex.join(torchrun)}",
+                env=dict(os.environ, TMPDIR=str(disk), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
 
 
 def finish(process: subprocess.Popen, timeout: float = 300) -> str:
