@@ -6,24 +6,38 @@
     pip install -e .[bench]                 # litData, the peer (measured when installed)
 
 All read the same 1,025-token uint16 samples, shuffled, batch 16, one process (plus its DataLoader
-workers), and are timed over the same number of batches after the first:
-- project: tokstream/train's TokenDataset + StreamingDataLoader with the settings train/main.py
-           uses (data.DataConfig's defaults; workers write into the shared ring, as in training),
+workers: 0, 1, 2, 8 and os.cpu_count()), and are timed over the same number of batches after the
+first. Before any timing the script prints one line of settings per reader and checks that litData
+(every worker count timed) and the project's reader read the dataset's samples over one epoch.
+- project: tokstream.reader's loader (make_loader: TokenDataset + TokenLoader) with the settings
+           training uses (DataConfig's defaults; workers write into the shared ring, as in training),
            and with workers also the same loader with its transfers pickled (the path before the ring),
            the two alternately --repeat times each, medians;
 - stock:   streaming.StreamingDataset + StreamingDataLoader with the default collate;
-- litdata: litData's StreamingDataset + TokensLoader + its StreamingDataLoader, over the same
-           samples written by litdata.optimize, with its default shuffle (chunks in a shuffled
-           order, the samples of the chunks at hand interleaved), not streaming's global shuffle;
+- litdata: litData as its documentation recommends for token datasets (LLM pre-training), at its
+           defaults otherwise. Written by litdata.optimize(chunk_bytes="64MB",
+           item_loader=TokensLoader()) from the split's samples in order (whole samples per chunk);
+           read by StreamingDataset(dir, item_loader=TokensLoader(block_size=1025), shuffle=True)
+           with StreamingDataLoader(batch_size=16, num_workers=N): its own shuffle (chunks in a
+           shuffled order, the samples of the chunks at hand interleaved, not streaming's global
+           shuffle), seed 42, drop_last False (one process), max_pre_download 2, chunks memory-mapped
+           in place (its POSIX-fast path for a local directory), its collate, prefetch_factor 2 with
+           workers. Its docs use num_workers=os.cpu_count() (among the counts timed) and pin_memory
+           for a GPU; no reader here pins (pin_memory=False for all). Each litdata row is timed in a
+           fresh process of this script, away from the other loaders' leftover threads;
 - memmap:  nanoGPT's get_batch (memmap per batch, torch.randint offsets, int64 x and y) on the
            same shards' token regions.
 """
 
 import argparse
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone without installing; bench/ itself is the script's folder
 
 BATCH = 16
+SAMPLE = 1025  # tokens: block 1024 + 1
+WORKERS = sorted({0, 1, 2, 8, os.cpu_count() or 1})  # 8: what users set by habit; os.cpu_count(): litData's docs
+LITDATA_CHUNK_BYTES = "64MB"  # the chunk size litData's README recommends (and calls its default)
 
 
 def build_dataset(out: Path, million_tokens: int) -> None:
@@ -81,24 +98,42 @@ def litdata_samples(root: str):
 
 
 def build_litdata(root: Path, out: Path) -> None:
-    """The train split's samples as litData chunks of whole 1,025-token samples."""
+    """The train split's samples as litData chunks, written as its docs recommend for tokens: chunk_bytes
+    "64MB" and TokensLoader() (each chunk one flat array of tokens; whole samples per chunk, so every
+    1,025-token block read back is one sample: check_same_samples asserts it)."""
     import litdata
 
-    litdata.optimize(fn=litdata_samples, inputs=[str(root)], output_dir=str(out), chunk_size=1025 * 8192,
+    # One input (the dataset): one writer, the samples in the dataset's order.
+    litdata.optimize(fn=litdata_samples, inputs=[str(root)], output_dir=str(out), chunk_bytes=LITDATA_CHUNK_BYTES,
                      item_loader=litdata.TokensLoader(), num_workers=1, verbose=False)
-    written = litdata.StreamingDataset(str(out), item_loader=litdata.TokensLoader(block_size=1025))
-    ours = next(litdata_samples(str(root)))
-    assert torch.equal(written[0], ours), "litData's first sample differs from the dataset's"
-    print(f"litdata: {len(written):,} samples of 1,025 tokens written by litdata.optimize, the first checked equal")
+
+
+def litdata_loader(optimized: Path, workers: int):
+    """litData's recommended read of token chunks; everything else at its defaults."""
+    import litdata
+
+    dataset = litdata.StreamingDataset(str(optimized), item_loader=litdata.TokensLoader(block_size=SAMPLE),
+                                       shuffle=True)
+    return litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=workers)
 
 
 def litdata_batches(optimized: Path, workers: int):
-    import litdata
-
-    dataset = litdata.StreamingDataset(str(optimized), item_loader=litdata.TokensLoader(block_size=1025),
-                                       shuffle=True, drop_last=True)
-    for batch in litdata.StreamingDataLoader(dataset, batch_size=BATCH, num_workers=workers, drop_last=True):
+    for batch in litdata_loader(optimized, workers):
         yield {"tokens": batch}
+
+
+def litdata_rate(optimized: Path, workers: int, batches: int) -> float:
+    """litData's tokens/s, timed in a fresh process of this script (--litdata-rate). In this one, the
+    loaders timed before it leave their download-ahead threads running after their last batch: after
+    stock's workers=0 run, the one just before litData's, they used about 40% of a core with the
+    process otherwise idle, the GIL taken from litData's per-sample Python reads."""
+    command = [sys.executable, __file__, "--litdata-rate", str(optimized), "--litdata-workers", str(workers),
+               "--batches", str(batches)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"litdata workers={workers}: its timing process failed ({done.returncode}):\n"
+                         f"{done.stderr[-3000:]}")
+    return float(done.stdout.split()[-1])
 
 
 def litdata_installed() -> bool:
@@ -108,6 +143,99 @@ def litdata_installed() -> bool:
         print("litdata is not installed (pip install -e .[bench]): the peer is left out")
         return False
     return True
+
+
+def sample_counts(arrays: Iterable[np.ndarray]) -> Counter:
+    """The multiset of samples (rows) as counts of their 128-bit hashes."""
+    import xxhash
+
+    counts: Counter = Counter()
+    for array in arrays:
+        if array.dtype != np.uint16 or array.ndim != 2 or array.shape[1] != SAMPLE:
+            raise SystemExit(f"bench: a batch of {array.dtype} {array.shape}, not uint16 samples of {SAMPLE} tokens")
+        for row in np.ascontiguousarray(array):
+            counts[xxhash.xxh3_128_intdigest(row)] += 1
+    return counts
+
+
+def tensors_as_arrays(batches: Iterable) -> Iterator[np.ndarray]:
+    for batch in batches:
+        yield (batch["tokens"] if isinstance(batch, dict) else batch).numpy()
+
+
+def check_same_samples(root: Path, optimized: Path | None) -> None:
+    """One epoch of litData (each worker count timed) must give the dataset's samples, each as often as the
+    dataset has it; the project's reader the same, less the partial last batch it leaves out. Stops the
+    bench on a mismatch: a rate over other samples compares nothing."""
+    from tokstream.verify import iter_split_samples
+
+    problems: list[str] = []
+    dataset = sample_counts(iter_split_samples(root, "train", problems))
+    if problems:
+        raise SystemExit(f"bench: the dataset fails its checks ({problems[0]}); nothing measured")
+    total = dataset.total()
+    if optimized is not None:
+        for workers in WORKERS:
+            read = sample_counts(tensors_as_arrays(litdata_loader(optimized, workers)))
+            if read != dataset:
+                raise SystemExit(
+                    f"MISMATCH litdata workers={workers}: one epoch gave {read.total():,} samples, the dataset has "
+                    f"{total:,}; {(dataset - read).total():,} of the dataset's not read, {(read - dataset).total():,} "
+                    f"read that are not the dataset's. The bench stops: its rates would not compare the same samples")
+        print(f"litdata: one epoch at workers={'/'.join(map(str, WORKERS))} reads the dataset's samples exactly: "
+              f"the same multiset of {total:,} ({len(dataset):,} distinct), by 128-bit hashes")
+    project = sample_counts(tensors_as_arrays(project_loader(str(root), None, 0)))
+    left_out = dataset - project
+    if project - dataset or left_out.total() != total % BATCH:
+        raise SystemExit(
+            f"MISMATCH project: one epoch gave {project.total():,} samples, {(project - dataset).total():,} not the "
+            f"dataset's, {left_out.total():,} of the dataset's left out (expected {total % BATCH}, its partial last "
+            f"batch). The bench stops")
+    print(f"project: one epoch reads {project.total():,} of the dataset's samples, the {total % BATCH} of the "
+          f"partial last batch left out")
+
+
+def print_settings(root: Path, optimized: Path | None, repeat: int) -> None:
+    """One line per reader: how it stores and reads, from the objects the timed runs build."""
+    from tokstream.reader.config import DataConfig
+
+    project = project_loader(str(root), None, 0).dataset
+    shards = project.shards
+    print(f"settings: batch {BATCH} x {SAMPLE} tokens, shuffled, workers {'/'.join(map(str, WORKERS))}, "
+          f"pin_memory=False for all")
+    print(f"  project: MDS shards of the converter ({len(shards)}, size_limit {shards[0].size_limit:,} B); "
+          f"make_loader, DataConfig's defaults: shuffle=True algo={project.shuffle_algo} "
+          f"seed={project.shuffle_seed} shuffle_block_size={project.shuffle_block_size} "
+          f"num_canonical_nodes={project.num_canonical_nodes} predownload={project.predownload} "
+          f"cache_limit={project.cache_limit} prefetch_factor={DataConfig().prefetch_factor} (torch's 2 with "
+          f"workers); with workers: shared ring and pickled, alternately {repeat} runs each, medians; "
+          f"partial last batch dropped")
+    stock = stock_loader(str(root), None, 1)
+    data = stock.dataset
+    print(f"  stock:   the same shards; streaming.StreamingDataset(shuffle=True algo={data.shuffle_algo} "
+          f"seed={data.shuffle_seed} shuffle_block_size={data.shuffle_block_size} "
+          f"num_canonical_nodes={data.num_canonical_nodes} batch_size={data.batch_size} "
+          f"predownload={data.predownload}) + StreamingDataLoader(batch_size={stock.batch_size}, default collate, "
+          f"drop_last={stock.drop_last}, prefetch_factor={stock.prefetch_factor} with workers)")
+    if optimized is not None:
+        import json
+
+        index = json.loads((optimized / "index.json").read_text())
+        first = index["chunks"][0]
+        loader = litdata_loader(optimized, 1)
+        data = loader.dataset
+        place = f"POSIX-fast {data.posix_fast.kind}: chunks mmapped in place" if data.posix_fast else "chunks cached"
+        print(f"  litdata: optimize(chunk_bytes=\"{LITDATA_CHUNK_BYTES}\", "
+              f"item_loader={index['config']['item_loader']}()) -> {len(index['chunks'])} chunks, the first "
+              f"{first['chunk_size']:,} samples ({first['chunk_bytes']:,} B); StreamingDataset(item_loader="
+              f"{type(data.item_loader).__name__}(block_size={data.item_loader._block_size}), "
+              f"shuffle={data.shuffle} seed={data.seed} drop_last={data.drop_last} "
+              f"max_pre_download={data.max_pre_download}, {place}) + StreamingDataLoader(batch_size="
+              f"{loader.batch_size}, its collate, prefetch_factor={loader.prefetch_factor} with workers); "
+              f"its docs' workers: os.cpu_count()={os.cpu_count()}; each row timed in a fresh process")
+    print(f"  memmap:  nanoGPT's get_batch: a random shard's token region memmapped per batch, {BATCH} offsets "
+          f"from torch.randint, block {SAMPLE - 1}, int64 x and y, in-process; not an epoch (offsets drawn with "
+          f"replacement)")
 
 
 def stock_loader(remote: str, local: str | None, workers: int):
@@ -145,7 +273,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=4, help="runs of each, with workers: ring vs pickled")
     parser.add_argument("--remote", action="store_true", help="also measure from S3 on loopback, cold cache")
+    parser.add_argument("--litdata-rate", default=None, help=argparse.SUPPRESS)  # litdata_rate's fresh process
+    parser.add_argument("--litdata-workers", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.litdata_rate:
+        print(timed_batches(litdata_batches(Path(args.litdata_rate), args.litdata_workers), args.batches))
+        return
 
     # Download-ahead threads may still be filling a cache when the directory is removed.
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
@@ -153,11 +286,14 @@ def main() -> None:
         if not args.data:
             build_dataset(root, args.tokens)
         peer = litdata_installed()
-        if peer:
-            build_litdata(root, Path(tmp) / "litdata")
+        optimized = Path(tmp) / "litdata" if peer else None
+        if optimized is not None:
+            build_litdata(root, optimized)
+        print_settings(root, optimized, args.repeat)
+        check_same_samples(root, optimized)  # stops the bench on a mismatch, before any timing
         rates: dict[str, float] = {}
         pickled: dict[int, float] = {}  # the project's workers without the ring: transfers pickled
-        for workers in (0, 1, 2, 8):  # 8: what users set by habit
+        for workers in WORKERS:
             if workers:  # ring and pickled alternately, medians: their difference is within one run's noise here
                 runs = {ring: [] for ring in (True, False)}
                 for turn in range(args.repeat):
@@ -169,8 +305,7 @@ def main() -> None:
                 rates["project workers=0"] = timed_batches(project_loader(str(root), None, 0), args.batches)
             rates[f"stock   workers={workers}"] = timed_batches(stock_loader(str(root), None, workers), args.batches)
             if peer:
-                rates[f"litdata workers={workers}"] = timed_batches(litdata_batches(Path(tmp) / "litdata", workers),
-                                                                    args.batches)
+                rates[f"litdata workers={workers}"] = litdata_rate(optimized, workers, args.batches)
         rates["memmap get_batch"] = timed_batches(memmap_batches(root), args.batches)
         report("local dataset", rates)
         print("  project workers, transfers pickled through the pipe: "
