@@ -7,6 +7,7 @@ import pytest
 from conftest import split_samples
 from test_training import tiny_splits
 
+from tokstream.errors import UserError
 from tokstream.reader import BatchPlan, DataConfig, StreamConfig, TrainBatches, open_dataset, to_device
 
 
@@ -62,6 +63,61 @@ def test_close_ends_the_dataloader_workers(mixture):
     dataset = open_dataset(DataConfig(streams=mixture.streams, num_workers=2))
     batches = TrainBatches(dataset, BatchPlan(8, 4, 1))
     next(batches)
-    assert len(multiprocessing.active_children()) >= 2
+    workers = multiprocessing.active_children()  # those still reading (one may be done with its part)
+    assert workers
     batches.close()
-    assert multiprocessing.active_children() == []
+    assert not any(worker.is_alive() for worker in workers)
+
+
+@pytest.mark.parametrize("reuse_buffers", [False, True])
+def test_micro_batches_kept_with_workers_stay_theirs_unless_buffers_are_reused(tmp_path, reuse_buffers):
+    """Without reuse_buffers (the API's default), workers' micro-batches are the caller's to keep: an epoch of
+    them, kept, still holds its samples' tokens. With reuse_buffers (the trainer's setting: each goes to the
+    device at once) a ring slot is rewritten a few transfers of 256 samples later."""
+    root = tiny_splits(tmp_path, 4000, 8)
+    stored = split_samples(root)
+    batches = TrainBatches(open_dataset(DataConfig(remote=str(root), num_workers=2)), BatchPlan(8, 4, 1),
+                           reuse_buffers=reuse_buffers)
+    kept = [next(batches) for _ in range(1000)]
+    batches.close()
+    intact = [tokens.tolist() == stored[sample_id].tolist()
+              for batch in kept for tokens, sample_id in zip(batch["tokens"], batch["ids"].tolist())]
+    assert all(intact) != reuse_buffers
+
+
+def refusal(call) -> str:
+    with pytest.raises(UserError) as refused:
+        call()
+    return str(refused.value)
+
+
+def test_a_state_of_other_batches_or_taken_too_late_is_refused_in_one_line(mixture, tmp_path):
+    dataset = open_dataset(mixture)
+    first = TrainBatches(dataset, BatchPlan(8, 4, 1))
+    next(first)
+    state = first.state_dict()
+    assert refusal(lambda: first.load_state_dict(state)) == (
+        "load_state_dict must come before the first micro-batch is taken")
+    first.close()
+    assert refusal(lambda: next(first)).startswith("these TrainBatches are closed")
+    other = open_dataset(DataConfig(remote=mixture.streams[0].remote))
+    assert refusal(lambda: TrainBatches(other, BatchPlan(8, 4, 1)).load_state_dict(state)).startswith(
+        "the state is of another dataset (")
+    assert refusal(lambda: TrainBatches(dataset, BatchPlan(16, 4, 1)).load_state_dict(state)) == (
+        "the state is of another global_batch_size (8, here 16): it cannot resume these batches")
+
+
+def test_a_plan_that_does_not_fit_the_process_is_refused_in_one_line(mixture):
+    assert refusal(lambda: TrainBatches(open_dataset(mixture), BatchPlan(8, 4, 2))) == (
+        "the batch plan is for 2 ranks, but this process is one of 1 (WORLD_SIZE): give BatchPlan the world "
+        "size torchrun started")
+    assert refusal(lambda: BatchPlan(0, 4, 1)) == "global_batch_size must be a positive whole number, got 0"
+    assert refusal(lambda: BatchPlan(8, -4, 1)) == "micro_batch_size must be a positive whole number, got -4"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="pins for real where CUDA is")
+def test_pinning_without_cuda_warns_and_reads_on(mixture):
+    with pytest.warns(UserWarning, match="pin_memory=True without CUDA"):
+        batches = TrainBatches(open_dataset(mixture), BatchPlan(8, 4, 1), pin_memory=True)
+    assert next(batches)["tokens"].shape == (4, 65)
+    batches.close()

@@ -13,6 +13,10 @@ class BatchPlan:
     world_size: int
 
     def __post_init__(self) -> None:
+        for name in ("global_batch_size", "micro_batch_size", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"{name} must be a positive whole number, got {value!r}")
         per_pass = self.micro_batch_size * self.world_size
         if self.global_batch_size % per_pass:
             raise UserError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "

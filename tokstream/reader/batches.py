@@ -7,6 +7,8 @@ come from TokenDataset.get_batch (token_dataset.py) and reach the rank through T
 (token_loader.py).
 """
 
+import os
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -30,19 +32,35 @@ class TrainBatches:
     GPT-2; to_device makes inputs and targets of it), "ids", the samples' ids in the dataset (a
     mixture's sources one after another), and with `with_sources`, "source", each sample's source index
     (Dataset.source_names). The rank and world come from torchrun's environment (RANK, WORLD_SIZE,
-    LOCAL_WORLD_SIZE), as streaming reads them. Every step's samples are a function of the dataset,
-    its settings, the global batch and the step alone: state_dict() taken between any two micro-batches
-    resumes with the next one, on any world size and micro-batch that cut the same global batch.
+    LOCAL_WORLD_SIZE), as streaming reads them; the plan's world_size must be that WORLD_SIZE. Every
+    step's samples are a function of the dataset, its settings, the global batch and the step alone:
+    state_dict() taken between any two micro-batches resumes with the next one, on any world size and
+    micro-batch that cut the same global batch.
+
+    `reuse_buffers` (with DataLoader workers): workers write into a shared ring the rank reads in place,
+    so a micro-batch's tensors are overwritten about two transfers (512 samples) later; for a loop that
+    copies each micro-batch to the device before it takes the next (tokstream's trainer). Off: every
+    micro-batch is its own. `pin_memory` without CUDA is turned off with a warning, as torch's DataLoader does.
     """
 
-    def __init__(self, dataset: Dataset, plan: BatchPlan, pin_memory: bool = False, with_sources: bool = False):
+    def __init__(self, dataset: Dataset, plan: BatchPlan, pin_memory: bool = False, with_sources: bool = False,
+                 reuse_buffers: bool = False):
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if plan.world_size != world:
+            raise UserError(f"the batch plan is for {plan.world_size} ranks, but this process is one of {world} "
+                            "(WORLD_SIZE): give BatchPlan the world size torchrun started")
+        if pin_memory and not torch.cuda.is_available():
+            warnings.warn("pin_memory=True without CUDA: micro-batches are not pinned", stacklevel=2)
+            pin_memory = False
         config = dataset.config
         self.epoch_samples = dataset.epoch_samples(plan)  # per source
+        self._identity = {"dataset_identity": dataset.identity, "global_batch_size": plan.global_batch_size}
         self.loader = make_loader(config, config.split, plan.micro_batch_size, shuffle=True, pin_memory=pin_memory,
-                                  choose=self.epoch_samples, sources=dataset.sources, reuse_slots=True)
+                                  choose=self.epoch_samples, sources=dataset.sources, reuse_slots=reuse_buffers)
         self._first_sample_of_source = self.loader.dataset.sample_offset_per_stream
         # No reference back to self: a cycle would keep the loader's workers alive past the run.
         self._batches = _epoch_after_epoch(self.loader, self._first_sample_of_source if with_sources else None)
+        self._started = self._closed = False
 
     def samples_per_source(self, sample_ids: list[int]) -> np.ndarray:
         """How many of these samples each source gave."""
@@ -53,17 +71,31 @@ class TrainBatches:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
+        if self._closed:
+            raise UserError("these TrainBatches are closed: make new ones (and load_state_dict) to read on")
+        self._started = True
         return next(self._batches)
 
     def state_dict(self) -> dict:
-        return self.loader.state_dict()
+        """Where the next micro-batch is, for every rank (rank 0's is enough to save), and what it is of."""
+        return {**self._identity, "position": self.loader.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a state_dict() (before the first batch is taken)."""
-        self.loader.load_state_dict(state)
+        """Continue from a state_dict() of the same dataset and global batch, before the first batch is taken."""
+        if self._started:
+            raise UserError("load_state_dict must come before the first micro-batch is taken")
+        if "position" not in state:  # a checkpoint of tokstream's trainer from before the reader API: the
+            self.loader.load_state_dict(state)  # position alone (the trainer checks dataset and batch itself)
+            return
+        for key, value in self._identity.items():
+            if state.get(key) != value:
+                raise UserError(f"the state is of another {'dataset' if key == 'dataset_identity' else key} "
+                                f"({state.get(key)}, here {value}): it cannot resume these batches")
+        self.loader.load_state_dict(state["position"])
 
     def close(self) -> None:
         """End the epoch's iterator: its DataLoader workers exit and its shared ring is unmapped."""
+        self._closed = True
         self._batches.close()
 
 

@@ -62,8 +62,8 @@ def _recorded_inode(name: str) -> int | None:
         return None
 
 
-def release_owner(path: Path | None) -> None:
-    if path is not None:
+def release_owner(path: Path | None, owner_pid: int) -> None:
+    if path is not None and os.getpid() == owner_pid:  # not in a DataLoader worker's copy of the dataset
         path.unlink(missing_ok=True)
 
 

@@ -9,6 +9,7 @@ parts of streaming this relies on are behind one door, streaming_door/, switched
 """
 
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -59,13 +60,9 @@ class TokenDataset(internals.WindowedDownloadAhead):
         self.ring: TransferRing | None = None  # where workers write their transfers, if shared (TokenLoader)
         self._views: dict[int, np.ndarray] = {}  # shard id -> (samples, tokens) view of its mapped file
         self._sample_format: tuple[np.dtype, int] | None = None
-        # Lets a relaunch tell this prefix's shared memory from a killed run's (stale_shm.py).
-        self._owner_pid, self._owner_record = os.getpid(), record_owner(internals.shm_prefix(self))
-
-    def __del__(self) -> None:
-        if getattr(self, "_owner_pid", None) == os.getpid():  # not in a DataLoader worker's copy
-            release_owner(self._owner_record)
-        super().__del__()
+        # Lets a relaunch tell this prefix's shared memory from a killed run's (stale_shm.py). Released when
+        # the dataset goes, or at exit before modules are torn down (a __del__ then could not unlink).
+        weakref.finalize(self, release_owner, record_owner(internals.shm_prefix(self)), os.getpid())
 
     def samples_per_item(self) -> int:
         in_worker = get_worker_info() is not None

@@ -103,7 +103,7 @@ def _build(config: TrainConfig, dist: Distributed, plan: BatchPlan, dataset: Dat
                 print(f"removed {len(removed)} shared-memory blocks a killed run of this dataset left behind")
         dist.barrier()
     use_cuda = dist.device.type == "cuda"
-    batches = TrainBatches(dataset, plan, pin_memory=use_cuda)
+    batches = TrainBatches(dataset, plan, pin_memory=use_cuda, reuse_buffers=True)  # each goes to the device at once
     val_loaders = validation_loaders(config, dataset, dist, pin_memory=use_cuda)
     model = torch.compile(raw_model) if config.compile else raw_model
     autocast = torch.autocast("cuda", dtype=getattr(torch, config.dtype)) if use_cuda else nullcontext()

@@ -24,11 +24,17 @@ import sys
 import types
 from pathlib import Path
 
-# What streaming 0.13.0's base imports from transformers (streaming/base/dataloader.py).
+# What streaming's base imports from transformers (streaming/base/dataloader.py): mosaicml-streaming 0.13.0
+# from the submodules, streaming-community 0.14 from the package.
 _DEFERRED = {
     "transformers.feature_extraction_utils": ("BatchFeature",),
     "transformers.tokenization_utils_base": ("BatchEncoding",),
+    "transformers": ("BatchEncoding", "BatchFeature"),
 }
+_HOME_OF = {"BatchFeature": "transformers.feature_extraction_utils", "BatchEncoding": "transformers.tokenization_utils_base"}
+
+STREAMING_MISSING = ("tokstream's reader needs the `streaming` module, which neither mosaicml-streaming nor "
+                     "streaming-community provides here: pip install 'tokstream[mosaicml]' or 'tokstream[community]'")
 
 # streaming's own datasets (C4 and the Pile need transformers, the vision ones torchvision).
 _LAZY_SUBPACKAGES = ("streaming.multimodal", "streaming.text", "streaming.vision")
@@ -57,6 +63,8 @@ def import_streaming() -> types.ModuleType:
     """`import streaming`, with transformers deferred as described above; returns the module."""
     if "streaming" in sys.modules or "transformers" in sys.modules:
         return importlib.import_module("streaming")
+    if importlib.util.find_spec("streaming") is None:
+        raise ImportError(STREAMING_MISSING)
     stand_ins = _stand_in_modules()
     sys.modules.update(stand_ins)
     home = Path(importlib.util.find_spec("streaming").origin).parent  # finds it, runs nothing
@@ -103,6 +111,8 @@ def _stand_in_modules() -> dict[str, types.ModuleType]:
             if name not in modules:
                 modules[name] = types.ModuleType(name)
                 modules[name].__path__ = []  # a package, so that its submodules' imports resolve here
-        for class_name in class_names:
-            setattr(modules[module_name], class_name, _DeferredClass(class_name, (), {"_module": module_name}))
+        for class_name in class_names:  # one stand-in per class, wherever streaming imports it from
+            home = _HOME_OF[class_name]
+            stand_in = getattr(modules.get(home), class_name, None) or _DeferredClass(class_name, (), {"_module": home})
+            setattr(modules[module_name], class_name, stand_in)
     return modules
