@@ -7,7 +7,8 @@
 
 All read the same 1,025-token uint16 samples, shuffled, batch 16, one process (plus its DataLoader
 workers: 0, 1, 2, 8 and os.cpu_count()), and are timed over the same number of batches after the
-first. Before any timing the script prints one line of settings per reader and checks that litData
+first, each row in a fresh process of this script (no leftover threads of another loader, and stock
+streaming as shipped: the project's replacements are put in place only where its reader is built). Before any timing the script prints one line of settings per reader and checks that litData
 (every worker count timed) and the project's reader read the dataset's samples over one epoch.
 - project: tokstream.reader's loader (make_loader: TokenDataset + TokenLoader) with the settings
            training uses (DataConfig's defaults; workers write into the shared ring, as in training),
@@ -23,8 +24,7 @@ first. Before any timing the script prints one line of settings per reader and c
            shuffle), seed 42, drop_last False (one process), max_pre_download 2, chunks memory-mapped
            in place (its POSIX-fast path for a local directory), its collate, prefetch_factor 2 with
            workers. Its docs use num_workers=os.cpu_count() (among the counts timed) and pin_memory
-           for a GPU; no reader here pins (pin_memory=False for all). Each litdata row is timed in a
-           fresh process of this script, away from the other loaders' leftover threads;
+           for a GPU; no reader here pins (pin_memory=False for all);
 - memmap:  nanoGPT's get_batch (memmap per batch, torch.randint offsets, int64 x and y) on the
            same shards' token regions.
 """
@@ -122,16 +122,31 @@ def litdata_batches(optimized: Path, workers: int):
         yield {"tokens": batch}
 
 
-def litdata_rate(optimized: Path, workers: int, batches: int) -> float:
-    """litData's tokens/s, timed in a fresh process of this script (--litdata-rate). In this one, the
-    loaders timed before it leave their download-ahead threads running after their last batch: after
-    stock's workers=0 run, the one just before litData's, they used about 40% of a core with the
-    process otherwise idle, the GIL taken from litData's per-sample Python reads."""
-    command = [sys.executable, __file__, "--litdata-rate", str(optimized), "--litdata-workers", str(workers),
+READERS = ("project", "project-pickled", "stock", "litdata", "memmap")
+
+
+def reader_batches(reader: str, source: str, workers: int):
+    """The batches of one row's reader; `source`: the dataset root (litData's chunks for litdata)."""
+    if reader in ("project", "project-pickled"):
+        return project_loader(source, None, workers, reuse_slots=reader == "project")
+    if reader == "stock":
+        return stock_loader(source, None, workers)
+    if reader == "litdata":
+        return litdata_batches(Path(source), workers)
+    return memmap_batches(Path(source))
+
+
+def fresh_rate(reader: str, source: Path, workers: int, batches: int) -> float:
+    """A reader's tokens/s, timed in a fresh process of this script (--rate). In one process, the loaders
+    timed before leave their download-ahead threads running after their last batch (after stock's
+    workers=0 run they used about 40% of a core with the process otherwise idle), and a reader built
+    there once puts the project's replacements into streaming (streaming_door.install()), so stock's
+    row would not be stock's: every row starts from nothing."""
+    command = [sys.executable, __file__, "--rate", reader, "--source", str(source), "--workers", str(workers),
                "--batches", str(batches)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
-        raise SystemExit(f"litdata workers={workers}: its timing process failed ({done.returncode}):\n"
+        raise SystemExit(f"{reader} workers={workers}: its timing process failed ({done.returncode}):\n"
                          f"{done.stderr[-3000:]}")
     return float(done.stdout.split()[-1])
 
@@ -202,7 +217,7 @@ def print_settings(root: Path, optimized: Path | None, repeat: int) -> None:
     project = project_loader(str(root), None, 0).dataset
     shards = project.shards
     print(f"settings: batch {BATCH} x {SAMPLE} tokens, shuffled, workers {'/'.join(map(str, WORKERS))}, "
-          f"pin_memory=False for all")
+          f"pin_memory=False for all, each row timed in a fresh process")
     print(f"  project: MDS shards of the converter ({len(shards)}, size_limit {shards[0].size_limit:,} B); "
           f"make_loader, DataConfig's defaults: shuffle=True algo={project.shuffle_algo} "
           f"seed={project.shuffle_seed} shuffle_block_size={project.shuffle_block_size} "
@@ -232,7 +247,7 @@ def print_settings(root: Path, optimized: Path | None, repeat: int) -> None:
               f"shuffle={data.shuffle} seed={data.seed} drop_last={data.drop_last} "
               f"max_pre_download={data.max_pre_download}, {place}) + StreamingDataLoader(batch_size="
               f"{loader.batch_size}, its collate, prefetch_factor={loader.prefetch_factor} with workers); "
-              f"its docs' workers: os.cpu_count()={os.cpu_count()}; each row timed in a fresh process")
+              f"its docs' workers: os.cpu_count()={os.cpu_count()}")
     print(f"  memmap:  nanoGPT's get_batch: a random shard's token region memmapped per batch, {BATCH} offsets "
           f"from torch.randint, block {SAMPLE - 1}, int64 x and y, in-process; not an epoch (offsets drawn with "
           f"replacement)")
@@ -273,11 +288,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=4, help="runs of each, with workers: ring vs pickled")
     parser.add_argument("--remote", action="store_true", help="also measure from S3 on loopback, cold cache")
-    parser.add_argument("--litdata-rate", default=None, help=argparse.SUPPRESS)  # litdata_rate's fresh process
-    parser.add_argument("--litdata-workers", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--rate", choices=READERS, help=argparse.SUPPRESS)  # fresh_rate's process
+    parser.add_argument("--source", help=argparse.SUPPRESS)
+    parser.add_argument("--workers", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.litdata_rate:
-        print(timed_batches(litdata_batches(Path(args.litdata_rate), args.litdata_workers), args.batches))
+    if args.rate:
+        print(timed_batches(reader_batches(args.rate, args.source, args.workers), args.batches))
         return
 
     # Download-ahead threads may still be filling a cache when the directory is removed.
@@ -298,15 +314,16 @@ def main() -> None:
                 runs = {ring: [] for ring in (True, False)}
                 for turn in range(args.repeat):
                     for ring in (True, False) if turn % 2 == 0 else (False, True):
-                        runs[ring].append(timed_batches(project_loader(str(root), None, workers, ring), args.batches))
+                        reader = "project" if ring else "project-pickled"
+                        runs[ring].append(fresh_rate(reader, root, workers, args.batches))
                 rates[f"project workers={workers}"] = statistics.median(runs[True])
                 pickled[workers] = statistics.median(runs[False])
             else:
-                rates["project workers=0"] = timed_batches(project_loader(str(root), None, 0), args.batches)
-            rates[f"stock   workers={workers}"] = timed_batches(stock_loader(str(root), None, workers), args.batches)
+                rates["project workers=0"] = fresh_rate("project", root, 0, args.batches)
+            rates[f"stock   workers={workers}"] = fresh_rate("stock", root, workers, args.batches)
             if peer:
-                rates[f"litdata workers={workers}"] = litdata_rate(optimized, workers, args.batches)
-        rates["memmap get_batch"] = timed_batches(memmap_batches(root), args.batches)
+                rates[f"litdata workers={workers}"] = fresh_rate("litdata", optimized, workers, args.batches)
+        rates["memmap get_batch"] = fresh_rate("memmap", root, 0, args.batches)
         report("local dataset", rates)
         print("  project workers, transfers pickled through the pipe: "
               + " ".join(f"{w}={r / 1e6:.2f} M" for w, r in pickled.items()))

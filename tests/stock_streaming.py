@@ -44,6 +44,7 @@ def replaced_in_streaming() -> list[str]:
     import streaming.base.dataloader as dataloader
     import streaming.base.dataset as dataset
     import streaming.base.sampling
+    import streaming.base.shared.barrier
     import streaming.base.shared.prefix
     import streaming.base.shuffle as shuffle
     import streaming.base.shuffle.py1e
@@ -54,6 +55,7 @@ def replaced_in_streaming() -> list[str]:
         "streaming.base.dataset.Spanner": (dataset.Spanner, streaming.base.spanner.Spanner),
         "streaming.base.dataset.get_shm_prefix": (dataset.get_shm_prefix, streaming.base.shared.prefix.get_shm_prefix),
         "streaming.base.dataset.FileLock": (dataset.FileLock, filelock.FileLock),
+        "streaming.base.shared.barrier.FileLock": (streaming.base.shared.barrier.FileLock, filelock.FileLock),
         'streaming.base.shuffle.algos["py1e"]': (shuffle.algos["py1e"], streaming.base.shuffle.py1e.get_shuffle_py1e),
         'streaming.base.batching.batching_methods["random"]': (
             batching.batching_methods["random"], streaming.base.batching.random.generate_work_random_batching),

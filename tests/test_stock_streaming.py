@@ -21,6 +21,7 @@ THE_PROJECTS = {
     "streaming.base.dataset.Spanner",
     "streaming.base.dataset.get_shm_prefix",
     "streaming.base.dataset.FileLock",
+    "streaming.base.shared.barrier.FileLock",
     'streaming.base.shuffle.algos["py1e"]',
     'streaming.base.batching.batching_methods["random"]',
     "streaming.base.dataloader.BatchEncoding",

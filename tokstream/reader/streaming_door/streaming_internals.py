@@ -21,8 +21,9 @@ streaming does not promise to keep:
   replaced (`install_epoch_order`) by epoch_order.py's equal versions, which build on streaming's
   own `get_sampling`, `divide_spans`, `get_shuffle` and `get_partitions`;
 - `StreamingDataset._share_work`: the epoch's order goes into shared memory without a copy first;
-- `streaming.base.dataset.FileLock`, the name a dataset creates its barrier's and cache's file
-  locks from (`_shared_barrier.lock`, `_cache_filelock`): PromptFileLock in its place (`install_file_lock`);
+- `streaming.base.dataset.FileLock` and `streaming.base.shared.barrier.FileLock`, the names a dataset
+  creates its barrier's and cache's file locks from (`_shared_barrier.lock`, `_cache_filelock`; the
+  barrier's own in streaming-community 0.14): PromptFileLock in their place (`install_file_lock`);
 - `streaming.base.dataset.Spanner`, the class a dataset builds its sample-to-shard lookup from:
   replaced (`install_spanner`) by lean_spanner.py's subclass, the same fields built without an
   array of every sample;
@@ -49,6 +50,7 @@ import streaming
 import streaming.base.batching as streaming_batching_module
 from streaming.base.batching import generate_work  # noqa: F401  (tests)
 import streaming.base.dataset as streaming_dataset_module
+import streaming.base.shared.barrier as streaming_barrier_module
 import streaming.base.shuffle as streaming_shuffle_module
 from streaming import StreamingDataset
 from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, EPOCH_DATA, EPOCH_SHAPE, LOCALS, SHM_TO_CLEAN, TICK
@@ -116,7 +118,8 @@ def install_spanner(spanner_class) -> None:
 
 
 def install_file_lock() -> None:
-    streaming_dataset_module.FileLock = PromptFileLock  # the name a dataset's barrier and cache locks come from
+    streaming_dataset_module.FileLock = PromptFileLock  # the name a dataset's cache lock (0.13: and barrier's) comes from
+    streaming_barrier_module.FileLock = PromptFileLock  # and a barrier's own (streaming-community 0.14 makes it there)
 
 
 def install_prefix_registration(get_shm_prefix) -> None:
