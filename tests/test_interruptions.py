@@ -149,6 +149,7 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
     resume, ranks, schedule = 0, 2, []
     on_reference = True  # until a launch has resumed on the reference's settings and trained on
     segments = []  # (first step, last step, on the reference's settings) of each launch's kept steps
+    saved_on = None  # the ranks of the launch that saved the checkpoint the next launch resumes from
     killed_on = None  # the machine a SIGKILL left its cache and shared memory on
     for number, kind in enumerate(rng.sample(KINDS, len(KINDS))):
         machine = killed_on or tmp_path / f"machine{number}"
@@ -205,6 +206,7 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
             assert stopped == resume and f"ckpt-{at:08d}.pt" not in store.names(), where  # never visible
         segments.append((resume + 1, stopped, on_reference_settings(ranks, settings)))
         on_reference = on_reference and not 0 < resume < stopped
+        saved_on = ranks if stopped != resume else saved_on
         resume, ranks = stopped, (2 if on_reference else 3 - ranks)
         killed_on = machine if kind.startswith("SIGKILL") else None
 
@@ -217,6 +219,9 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
     output = train(ranks, None, run_dir, *data, *COMMON, f"micro_batch_size={micro}", *on_machine(machine))
     segments.append((resume + 1, 16, on_reference_settings(ranks, [f"micro_batch_size={micro}"])))
     assert f"resumed from {run_dir}/ckpt-{resume:08d}.pt" in output
+    if saved_on not in (None, ranks):  # each accepted change is said at start
+        assert (f"relaunch: resuming a {saved_on}-rank run on {ranks} ranks: same samples at every step; losses "
+                "match to float rounding, not bitwise") in output, schedule
     if stale:
         relaunch_cleared(output, stale, schedule[-1])
 

@@ -8,7 +8,8 @@ from conftest import split_samples
 from test_training import tiny_splits
 
 from tokstream.errors import UserError
-from tokstream.reader import BatchPlan, DataConfig, StreamConfig, TrainBatches, open_dataset, to_device
+from tokstream.reader import (BatchPlan, DataConfig, StreamConfig, TrainBatches, eval_batches, open_dataset,
+                              to_device)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +112,7 @@ def test_a_plan_that_does_not_fit_the_process_is_refused_in_one_line(mixture):
     assert refusal(lambda: TrainBatches(open_dataset(mixture), BatchPlan(8, 4, 2))) == (
         "the batch plan is for 2 ranks, but this process is one of 1 (WORLD_SIZE): give BatchPlan the world "
         "size torchrun started")
+    assert refusal(lambda: BatchPlan(8, 3, 1)) == "global_batch_size 8 is not a multiple of micro_batch_size 3 x 1 ranks"
     assert refusal(lambda: BatchPlan(0, 4, 1)) == "global_batch_size must be a positive whole number, got 0"
     assert refusal(lambda: BatchPlan(8, -4, 1)) == "micro_batch_size must be a positive whole number, got -4"
 
@@ -121,3 +123,31 @@ def test_pinning_without_cuda_warns_and_reads_on(mixture):
         batches = TrainBatches(open_dataset(mixture), BatchPlan(8, 4, 1), pin_memory=True)
     assert next(batches)["tokens"].shape == (4, 65)
     batches.close()
+
+
+def test_the_start_up_line_and_the_checks_a_trainer_makes_on_relaunch(mixture, tmp_path):
+    dataset = open_dataset(mixture)
+    assert dataset.describe_epoch(BatchPlan(8, 4, 1)) == (
+        "epochs of 11 steps: 88 samples: web 40 (45.5%, 1.00x its 40), books 48 (54.5%, 1.00x its 48)")
+    dataset.check_resumes(dataset.identity)
+    other = open_dataset(DataConfig(remote=mixture.streams[1].remote))
+    assert refusal(lambda: other.check_resumes(dataset.identity)) == (
+        "the dataset differs from the one the checkpoint was trained on; use a new run_dir")
+
+
+def test_evaluation_batches_leave_out_a_split_too_small_for_every_rank_in_one_line(mixture):
+    loaders, left_out = eval_batches(open_dataset(mixture), 4, world_size=1)
+    assert list(loaders) == ["web", "books"] and left_out == []
+    assert [len(batch["ids"]) for batch in loaders["web"]] == [4, 4]  # the 8 val samples, unshuffled
+    assert [batch["ids"].tolist() for batch in loaders["web"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    loaders, left_out = eval_batches(open_dataset(mixture), 6, world_size=2)
+    assert loaders == {} and left_out == [
+        f"evaluation of data.streams.{index} ({name}) is off: its val split has 8 samples, fewer than one "
+        "micro-batch of 6 on each of 2 ranks" for index, name in enumerate(("web", "books"))]
+
+
+def test_a_cache_limit_streaming_refuses_is_said_in_one_line(tmp_path):
+    root = tiny_splits(tmp_path, 40, 8)
+    message = refusal(lambda: TrainBatches(open_dataset(DataConfig(remote=str(root), local=str(tmp_path / "cache"),
+                                                                    cache_limit="1kb")), BatchPlan(8, 4, 1)))
+    assert message.startswith("data (train): ") and "\n" not in message, message
