@@ -250,21 +250,6 @@ class WindowedDownloadAhead(StreamingDataset):
         np.ndarray(sample_ids.shape, np.int64, buffer=data_shm.buf)[...] = sample_ids
         return shape_shm, data_shm
 
-    def _far_enough_ahead(self, index: int, it) -> bool:
-        """Whether a thread that has reached `index` should sleep a tick.
-
-        Stock moves again as soon as the consumer takes one sample, so at tens of thousands of
-        samples a second its threads never sleep and keep taking the GIL from the consumer, which
-        then reads far slower than with the threads idle. Here a thread moves once the consumer has
-        taken a quarter of the predownload window since.
-        """
-        if self.predownload is None:
-            return False
-        return index - it.yield_index > self.predownload - self.predownload // 4
-
-    def _stopping(self, it) -> bool:
-        return it.should_exit() or self._event.is_set() or not threading.main_thread().is_alive()
-
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
         """Stock's, but a download that fails is undone, and a full disk evicts or is said as such.
 
@@ -282,137 +267,22 @@ class WindowedDownloadAhead(StreamingDataset):
         """
         while True:
             if self._shard_states[shard_id] == _REMOTE:
-                self._make_room(shard_id)
+                make_room(self, shard_id)
             try:
                 return super().prepare_shard(shard_id, blocking)
             except Exception as err:
-                self._undo_download(shard_id)
+                undo_download(self, shard_id)
                 if not out_of_space(err):
                     raise
-                if not (self.cache_limit and self._evicted_coldest()):
-                    raise NoSpace(self._cache_full(shard_id)) from None
-
-    def _make_room(self, shard_id: int) -> None:
-        """Before a download: with a cache_limit, evict until the disk has room for the shard and the
-        downloads in flight (the disk caps the limit); without one, or with nothing left to evict, end
-        here if the shard cannot fit, rather than after streaming's retries (15 s of backoff)."""
-        shard = self.shards[shard_id]
-        cache = os.path.join(shard.dirname, shard.split)
-        if not os.path.isdir(cache) or os.path.exists(os.path.join(cache, shard.file_pairs[0][0].basename)):
-            return  # nothing fetched yet (streaming makes the directory), or nothing to fetch
-        block = os.statvfs(cache).f_frsize  # a file takes whole blocks of the disk
-        sizes = -(-self._shard_sizes() // block) * block
-        while True:
-            free = shutil.disk_usage(cache).free
-            # Room for one more download than is in flight: the other thread of this reader may start
-            # one between this check and this download's start.
-            in_flight = 0
-            if self.cache_limit:
-                in_flight = int(sizes[self._shard_states.numpy() == _PREPARING].sum()) + int(sizes.max())
-            if free >= sizes[shard_id] + in_flight:
-                return
-            if self.cache_limit and self._evicted_coldest():
-                continue
-            if free < sizes[shard_id]:
-                raise NoSpace(self._cache_full(shard_id))
-            return  # room for this shard, if not for every download in flight: try
-
-    def _shard_sizes(self) -> np.ndarray:
-        """Each shard's most bytes in the cache (raw, and compressed while it is unpacked), made once."""
-        if getattr(self, "_shard_max_sizes", None) is None:
-            self._shard_max_sizes = np.array([s.get_max_size() for s in self.shards], np.int64)
-        return self._shard_max_sizes
-
-    def _cache_lock(self, timeout: float = -1) -> FileLock:
-        """Stock's cache lock, as its own calls make it: a new one on the same file (flock excludes it)."""
-        return PromptFileLock(self._cache_filelock_path, timeout=timeout)
-
-    def _evicted_coldest(self) -> bool:
-        """Evict the least recently used local shard; False if none is local."""
-        with self._cache_lock():
-            if not (self._shard_states.numpy() == _LOCAL).any():
-                return False
-            self._evict_coldest_shard()
-        self.release_evicted()
-        return True
+                if not (self.cache_limit and evicted_coldest(self)):
+                    raise NoSpace(cache_full(self, shard_id)) from None
 
     def release_evicted(self) -> None:
         """Let go of whatever this process still holds of evicted shards, so that their disk space is
         freed (a reader that maps shards overrides this)."""
 
-    def _undo_download(self, shard_id: int) -> None:
-        # Only this call's own download can fail with the shard PREPARING: a wait for another's raises
-        # nothing. Stock's eviction can raise with the lock still held by this thread, through another
-        # file descriptor, which would wait forever: a timeout leaves the shard as stock would.
-        try:
-            with self._cache_lock(timeout=10):
-                if self._shard_states[shard_id] == _PREPARING:
-                    self._shard_states[shard_id] = _REMOTE
-        except Timeout:
-            pass
-        shard = self.shards[shard_id]
-        for pair in shard.file_pairs:
-            for info in pair:
-                if info is not None:  # stock downloaders write <file>.tmp, then rename it
-                    path = os.path.join(shard.dirname, shard.split, info.basename + ".tmp")
-                    try:
-                        os.remove(path)
-                    except FileNotFoundError:
-                        pass
-
-    def _cache_full(self, shard_id: int) -> str:
-        shard = self.shards[shard_id]
-        cache = os.path.join(shard.dirname, shard.split)
-        free = shutil.disk_usage(cache).free
-        sizes = self._shard_sizes()
-        largest = int(sizes.max())
-        # What this dataset holds there and what is left, less the other splits' shards still to come
-        # (each split is a dataset of its own, with its own cache_limit: one that finds the disk full
-        # has none of the others' shards to evict), less what the cache takes beyond its limit: a shard
-        # per download in flight (two threads per reader) and the evicted ones a reader still maps,
-        # about 4 per reader process of the node.
-        worker = get_worker_info()
-        readers = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * (worker.num_workers if worker else 1)
-        limit = free + int(self.cache_usage) - self._other_splits_to_fetch() - 4 * readers * largest
-        hint = (f"set data.cache_limit to at most {size_setting(limit)} (the least recently used shards are "
-                "then evicted to stay under it, leaving room for the other splits and the downloads in flight), "
-                "or point data.local at a bigger disk"
-                if limit >= 4 * largest else "point data.local at a bigger disk")  # streaming's lowest limit
-        return (f"{no_space(f'the data cache {cache}')}: a shard of {size_setting(int(sizes[shard_id]))} did not "
-                f"fit in the {size_setting(free)} free there; {hint}")
-
-    def _other_splits_to_fetch(self) -> int:
-        """Bytes the other splits (val; train, seen from val) of this dataset's sources will take in the
-        cache beside this split, for the shards they have not fetched yet (raw and compressed while it
-        is unpacked), each at most the cache_limit they share with this one."""
-        missing = 0
-        for stream in self.streams:
-            for split in Path(stream.local).iterdir():
-                if split.name == stream.split or not (split / "index.json").is_file():
-                    continue
-                to_fetch = sum(shard["raw_data"]["bytes"] + (shard["zip_data"] or {"bytes": 0})["bytes"]
-                               for shard in index_shards(split)
-                               if not (split / shard["raw_data"]["basename"]).exists())
-                missing += min(to_fetch, self.cache_limit) if self.cache_limit else to_fetch
-        return missing
-
-    @contextmanager
-    def _failure_to_consumer(self) -> Iterator[None]:
-        """A download-ahead thread's error is raised by the consumer (`_raise_if_a_thread_failed`) as it
-        is: stock's callback only logs it, with a traceback, and the consumer then raises a generic one."""
-        try:
-            yield
-        except Exception as err:
-            if getattr(self, "_thread_error", None) is None:
-                self._thread_error = err
-            self._event.set()
-
-    def _raise_if_a_thread_failed(self) -> None:
-        if (err := getattr(self, "_thread_error", None)) is not None:
-            raise err
-
     def get_item(self, sample_id: int, retry: int = 7):
-        self._raise_if_a_thread_failed()
+        raise_if_a_thread_failed(self)
         return super().get_item(sample_id, retry)
 
     def _each_sample_id(self, it) -> Iterator[list[int]]:
@@ -437,66 +307,214 @@ class WindowedDownloadAhead(StreamingDataset):
             if len(group) == size:
                 yield group
                 group = []
-        self._raise_if_a_thread_failed()
+        raise_if_a_thread_failed(self)
         it.on_exit()
 
     def samples_per_item(self) -> int:
         """How many samples _each_sample_id groups into one item (a DataLoader batch or more)."""
         raise NotImplementedError
 
-    def _window(self, it, start: int) -> tuple[int, np.ndarray]:
-        """End of the window of samples from `start` within the predownload bound, and its shards in order."""
-        ahead = self.predownload if self.predownload is not None else it.total
-        stop = min(it.total, max(start + 1, it.yield_index + ahead + 1))
-        ids = it.sample_ids[start:stop]
-        shards = np.searchsorted(self.spanner.shard_bounds, ids[ids >= 0], side="right") - 1
-        _, first = np.unique(shards, return_index=True)
-        return stop, shards[np.sort(first)]
-
     def _prepare_thread(self, it) -> None:
-        with self._failure_to_consumer():
-            while not self._stopping(it):
+        with failure_to_consumer(self):
+            while not stopping(self, it):
                 if it.prepare_index == it.total or it.ready_index == it.total:
                     it.prepare_index = it.total
                     break
-                if self._far_enough_ahead(it.prepare_index, it):
+                if far_enough_ahead(self, it.prepare_index, it):
                     time.sleep(TICK)
                     continue
-                stop, shards = self._window(it, it.prepare_index)
+                stop, shards = window(self, it, it.prepare_index)
                 for shard_id in shards.tolist():
                     self.prepare_shard(shard_id, False)
                 it.prepare_index = stop
         it.on_exit()
 
     def _ready_thread(self, it) -> None:
-        with self._failure_to_consumer():
-            while not self._stopping(it):
+        with failure_to_consumer(self):
+            while not stopping(self, it):
                 if it.ready_index == it.total:
                     break
-                if self._far_enough_ahead(it.ready_index, it):
+                if far_enough_ahead(self, it.ready_index, it):
                     time.sleep(TICK)
                     continue
-                stop, shards = self._window(it, it.ready_index)
-                if all(self._wait_until_local(it, shard_id) for shard_id in shards.tolist()):
+                stop, shards = window(self, it, it.ready_index)
+                if all(wait_until_local(self, it, shard_id) for shard_id in shards.tolist()):
                     it.ready_index = stop
         it.on_exit()
 
-    def _wait_until_local(self, it, shard_id: int) -> bool:
-        """Fetch the shard if it is remote and wait until it is local; False if the iterator is done first.
 
-        Unlike streaming's own wait, this one re-fetches a shard evicted (back to REMOTE) while it
-        waited, and gives up when the iterator exits (a new epoch, or process exit). Without both,
-        a thread waiting on an evicted shard never ends and the process hangs at exit (seen on a
-        loaded node with a small cache_limit).
-        """
-        while self._shard_states[shard_id] != _LOCAL:
-            if self._stopping(it):
-                return False
-            if self._shard_states[shard_id] == _REMOTE:
-                self.prepare_shard(shard_id, False)
-            else:
-                time.sleep(TICK)  # another thread or rank is downloading it
-        return True
+# The project's own helpers of the class above, outside streaming's class namespace: a later streaming
+# version may add a method of any name to StreamingDataset, and a function here cannot collide with it.
+
+
+def far_enough_ahead(dataset: StreamingDataset, index: int, it) -> bool:
+    """Whether a thread that has reached `index` should sleep a tick.
+
+    Stock moves again as soon as the consumer takes one sample, so at tens of thousands of
+    samples a second its threads never sleep and keep taking the GIL from the consumer, which
+    then reads far slower than with the threads idle. Here a thread moves once the consumer has
+    taken a quarter of the predownload window since.
+    """
+    if dataset.predownload is None:
+        return False
+    return index - it.yield_index > dataset.predownload - dataset.predownload // 4
+
+
+def stopping(dataset: StreamingDataset, it) -> bool:
+    return it.should_exit() or dataset._event.is_set() or not threading.main_thread().is_alive()
+
+
+def make_room(dataset: StreamingDataset, shard_id: int) -> None:
+    """Before a download: with a cache_limit, evict until the disk has room for the shard and the
+    downloads in flight (the disk caps the limit); without one, or with nothing left to evict, end
+    here if the shard cannot fit, rather than after streaming's retries (15 s of backoff)."""
+    shard = dataset.shards[shard_id]
+    cache = os.path.join(shard.dirname, shard.split)
+    if not os.path.isdir(cache) or os.path.exists(os.path.join(cache, shard.file_pairs[0][0].basename)):
+        return  # nothing fetched yet (streaming makes the directory), or nothing to fetch
+    block = os.statvfs(cache).f_frsize  # a file takes whole blocks of the disk
+    sizes = -(-shard_sizes(dataset) // block) * block
+    while True:
+        free = shutil.disk_usage(cache).free
+        # Room for one more download than is in flight: the other thread of this reader may start
+        # one between this check and this download's start.
+        in_flight = 0
+        if dataset.cache_limit:
+            in_flight = int(sizes[dataset._shard_states.numpy() == _PREPARING].sum()) + int(sizes.max())
+        if free >= sizes[shard_id] + in_flight:
+            return
+        if dataset.cache_limit and evicted_coldest(dataset):
+            continue
+        if free < sizes[shard_id]:
+            raise NoSpace(cache_full(dataset, shard_id))
+        return  # room for this shard, if not for every download in flight: try
+
+
+def shard_sizes(dataset: StreamingDataset) -> np.ndarray:
+    """Each shard's most bytes in the cache (raw, and compressed while it is unpacked), made once."""
+    if getattr(dataset, "_tokstream_shard_sizes", None) is None:
+        dataset._tokstream_shard_sizes = np.array([s.get_max_size() for s in dataset.shards], np.int64)
+    return dataset._tokstream_shard_sizes
+
+
+def cache_lock(dataset: StreamingDataset, timeout: float = -1) -> FileLock:
+    """Stock's cache lock, as its own calls make it: a new one on the same file (flock excludes it)."""
+    return PromptFileLock(dataset._cache_filelock_path, timeout=timeout)
+
+
+def evicted_coldest(dataset: StreamingDataset) -> bool:
+    """Evict the least recently used local shard; False if none is local."""
+    with cache_lock(dataset):
+        if not (dataset._shard_states.numpy() == _LOCAL).any():
+            return False
+        dataset._evict_coldest_shard()
+    dataset.release_evicted()
+    return True
+
+
+def undo_download(dataset: StreamingDataset, shard_id: int) -> None:
+    # Only this call's own download can fail with the shard PREPARING: a wait for another's raises
+    # nothing. Stock's eviction can raise with the lock still held by this thread, through another
+    # file descriptor, which would wait forever: a timeout leaves the shard as stock would.
+    try:
+        with cache_lock(dataset, timeout=10):
+            if dataset._shard_states[shard_id] == _PREPARING:
+                dataset._shard_states[shard_id] = _REMOTE
+    except Timeout:
+        pass
+    shard = dataset.shards[shard_id]
+    for pair in shard.file_pairs:
+        for info in pair:
+            if info is not None:  # stock downloaders write <file>.tmp, then rename it
+                path = os.path.join(shard.dirname, shard.split, info.basename + ".tmp")
+                try:
+                    os.remove(path)
+                except FileNotFoundError:
+                    pass
+
+
+def cache_full(dataset: StreamingDataset, shard_id: int) -> str:
+    shard = dataset.shards[shard_id]
+    cache = os.path.join(shard.dirname, shard.split)
+    free = shutil.disk_usage(cache).free
+    sizes = shard_sizes(dataset)
+    largest = int(sizes.max())
+    # What this dataset holds there and what is left, less the other splits' shards still to come
+    # (each split is a dataset of its own, with its own cache_limit: one that finds the disk full
+    # has none of the others' shards to evict), less what the cache takes beyond its limit: a shard
+    # per download in flight (two threads per reader) and the evicted ones a reader still maps,
+    # about 4 per reader process of the node.
+    worker = get_worker_info()
+    readers = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * (worker.num_workers if worker else 1)
+    limit = free + int(dataset.cache_usage) - other_splits_to_fetch(dataset) - 4 * readers * largest
+    hint = (f"set data.cache_limit to at most {size_setting(limit)} (the least recently used shards are "
+            "then evicted to stay under it, leaving room for the other splits and the downloads in flight), "
+            "or point data.local at a bigger disk"
+            if limit >= 4 * largest else "point data.local at a bigger disk")  # streaming's lowest limit
+    return (f"{no_space(f'the data cache {cache}')}: a shard of {size_setting(int(sizes[shard_id]))} did not "
+            f"fit in the {size_setting(free)} free there; {hint}")
+
+
+def other_splits_to_fetch(dataset: StreamingDataset) -> int:
+    """Bytes the other splits (val; train, seen from val) of this dataset's sources will take in the
+    cache beside this split, for the shards they have not fetched yet (raw and compressed while it
+    is unpacked), each at most the cache_limit they share with this one."""
+    missing = 0
+    for stream in dataset.streams:
+        for split in Path(stream.local).iterdir():
+            if split.name == stream.split or not (split / "index.json").is_file():
+                continue
+            to_fetch = sum(shard["raw_data"]["bytes"] + (shard["zip_data"] or {"bytes": 0})["bytes"]
+                           for shard in index_shards(split)
+                           if not (split / shard["raw_data"]["basename"]).exists())
+            missing += min(to_fetch, dataset.cache_limit) if dataset.cache_limit else to_fetch
+    return missing
+
+
+@contextmanager
+
+def failure_to_consumer(dataset: StreamingDataset) -> Iterator[None]:
+    """A download-ahead thread's error is raised by the consumer (`_raise_if_a_thread_failed`) as it
+    is: stock's callback only logs it, with a traceback, and the consumer then raises a generic one."""
+    try:
+        yield
+    except Exception as err:
+        if getattr(dataset, "_tokstream_thread_error", None) is None:
+            dataset._tokstream_thread_error = err
+        dataset._event.set()
+
+
+def raise_if_a_thread_failed(dataset: StreamingDataset) -> None:
+    if (err := getattr(dataset, "_tokstream_thread_error", None)) is not None:
+        raise err
+
+
+def window(dataset: StreamingDataset, it, start: int) -> tuple[int, np.ndarray]:
+    """End of the window of samples from `start` within the predownload bound, and its shards in order."""
+    ahead = dataset.predownload if dataset.predownload is not None else it.total
+    stop = min(it.total, max(start + 1, it.yield_index + ahead + 1))
+    ids = it.sample_ids[start:stop]
+    shards = np.searchsorted(dataset.spanner.shard_bounds, ids[ids >= 0], side="right") - 1
+    _, first = np.unique(shards, return_index=True)
+    return stop, shards[np.sort(first)]
+
+
+def wait_until_local(dataset: StreamingDataset, it, shard_id: int) -> bool:
+    """Fetch the shard if it is remote and wait until it is local; False if the iterator is done first.
+
+    Unlike streaming's own wait, this one re-fetches a shard evicted (back to REMOTE) while it
+    waited, and gives up when the iterator exits (a new epoch, or process exit). Without both,
+    a thread waiting on an evicted shard never ends and the process hangs at exit (seen on a
+    loaded node with a small cache_limit).
+    """
+    while dataset._shard_states[shard_id] != _LOCAL:
+        if stopping(dataset, it):
+            return False
+        if dataset._shard_states[shard_id] == _REMOTE:
+            dataset.prepare_shard(shard_id, False)
+        else:
+            time.sleep(TICK)  # another thread or rank is downloading it
+    return True
 
 
 def size_setting(size: int) -> str:
