@@ -346,3 +346,17 @@ def test_a_ranks_file_that_is_not_gpt2s_is_refused_rather_than_named_gpt2(tmp_pa
     done = run_script(TEXT, plays(tmp_path / "corpus"), "--out", tmp_path / "out", "--ranks-file", edited, *SMALL)
     assert_refused(done, f"ranks file {edited} is not GPT-2's BPE ranks (sha256 ")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_encoding_that_cannot_be_fetched_offline_is_one_line_naming_the_ways_out(tmp_path):
+    """No cached ranks and no way to download them (a proxy on a closed loopback port stands for a machine
+    without a network): the line says what to set."""
+    from tokstream.testing.loopback_s3 import free_port
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / "empty-cache"), HTTPS_PROXY=closed, HTTP_PROXY=closed,
+               https_proxy=closed, http_proxy=closed, NO_PROXY="", no_proxy="")
+    done = run_script(TEXT, plays(tmp_path / "corpus"), "--out", tmp_path / "out", *SMALL, env=env, timeout=120)
+    assert_refused(done, "could not load tiktoken encoding 'gpt2'", "Offline? set TIKTOKEN_CACHE_DIR to a tiktoken "
+                   "cache or pass --ranks-file r50k_base.tiktoken")
+    assert not (tmp_path / "out").exists()

@@ -113,6 +113,10 @@ def test_torchrun_max_restarts_recovers_a_crashed_rank_by_itself(reference, data
     resumed = re.findall(rf"resumed from {re.escape(str(tmp_path))}/ckpt-(\d{{8}})\.pt at step (\d+)", output)
     assert len(resumed) == 1 and int(resumed[0][0]) == int(resumed[0][1]) >= 4, output[-3000:]
     assert trained_steps(tmp_path) == reference
+    records = metrics(tmp_path)  # what the README says each line holds (no mfu on a CPU: its peak is unknown)
+    assert all({"step", "loss", "lr", "tokens_per_s", "data_wait_s", "step_s"} <= set(r) and "mfu" not in r
+               for r in records)
+    assert [r["step"] for r in records if "val_loss" in r] == [8, 16]  # every eval_interval
 
 
 HOLD_A_DATASET = """
