@@ -90,6 +90,13 @@ def test_no_module_changes_another_at_import():
                 assert (path, ast.unparse(node)) == (ROOT / "tokstream/reader/__init__.py", "import_streaming()")
 
 
+def test_the_testing_helpers_are_used_by_tests_and_benchmarks_alone():
+    users = [path.relative_to(ROOT) for path in python_files()
+             if path.parent.name not in ("tests", "bench") and ROOT / "tokstream/testing" not in path.parents
+             and re.search(r"tokstream\.testing|from tokstream import testing", path.read_text())]
+    assert not users, users
+
+
 def test_the_trainer_reads_data_through_the_public_reader_api_alone():
     import tokstream.reader
 

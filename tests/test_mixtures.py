@@ -164,6 +164,10 @@ def test_a_relaunch_may_move_or_rename_a_source_but_not_reweigh_or_add_one():
                                                                 "data.streams.2.proportion=0.1"))) == (
         "data.streams: the checkpoint's run read a mixture of 2, this launch a mixture of 3: the mixture, and so "
         "the sample order, would change; keep it, or use a new run_dir")
+    three = mixture_config("data.streams.2.remote=/data/code", "data.streams.2.proportion=0.1").to_dict()
+    assert refusal(lambda: check_relaunch(three, mixture_config())) == (  # a source dropped
+        "data.streams: the checkpoint's run read a mixture of 3, this launch a mixture of 2: the mixture, and so "
+        "the sample order, would change; keep it, or use a new run_dir")
     single = load_config(None, ["data.remote=/data/web"])
     assert "the checkpoint's run read one dataset (data.remote), this launch a mixture of 2" in refusal(
         lambda: check_relaunch(single.to_dict(), mixture_config()))

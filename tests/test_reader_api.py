@@ -112,6 +112,7 @@ def test_a_plan_that_does_not_fit_the_process_is_refused_in_one_line(mixture):
     assert refusal(lambda: TrainBatches(open_dataset(mixture), BatchPlan(8, 4, 2))) == (
         "the batch plan is for 2 ranks, but this process is one of 1 (WORLD_SIZE): give BatchPlan the world "
         "size torchrun started")
+    assert BatchPlan(480, 12, 8).accumulation == 5 and BatchPlan(8, 2, 2).accumulation == 2
     assert refusal(lambda: BatchPlan(8, 3, 1)) == "global_batch_size 8 is not a multiple of micro_batch_size 3 x 1 ranks"
     assert refusal(lambda: BatchPlan(0, 4, 1)) == "global_batch_size must be a positive whole number, got 0"
     assert refusal(lambda: BatchPlan(8, -4, 1)) == "micro_batch_size must be a positive whole number, got -4"

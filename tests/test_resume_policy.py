@@ -30,6 +30,19 @@ def test_execution_settings_change_freely_and_are_reported():
     assert check_relaunch(saved_config(), relaunch()) == []
 
 
+@pytest.mark.parametrize("setting", [
+    "run_local=/scratch", "log_interval=3", "eval_batches=5", "checkpoint_interval=7", "keep_checkpoints=9",
+    "background_checkpoints=false", "preempt_grace_s=120", "lease_interval_s=5", "trace_samples=true",
+    "device=auto", "deterministic=true", "data.remote=/moved", "data.val_split=validation", "data.prefetch_factor=4",
+    "data.predownload=64", "data.cache_limit=10gb", "data.validate_hash=null", "data.download_retry=9",
+    "data.clean_stale_shared_memory=false"])
+def test_every_free_setting_changes_and_is_said(setting):
+    """Each of resume_policy.FREE (those not in the test above), changed alone: accepted, in one line."""
+    key, _, value = setting.partition("=")
+    notes = check_relaunch(saved_config(), relaunch(setting))
+    assert len(notes) == 1 and notes[0].startswith(f"{key} changed from "), notes
+
+
 def test_the_recipe_is_refused_with_the_setting_named_unless_allowed():
     for setting in ("optim.lr=0.001", "seed=7", "dtype=float16", "optim.warmup_steps=9"):
         key = setting.split("=")[0]

@@ -78,3 +78,11 @@ def test_the_wait_and_the_interval_are_bounded(tmp_path):
         with pytest.raises(UserError, match=rf"lease_interval_s={interval:g} is outside 0.1..120 seconds"):
             RunLease.acquire(LocalRunStore(tmp_path), interval)
     assert not (tmp_path / LEASE).exists()
+
+
+def test_a_lease_of_another_machine_that_stops_moving_is_taken_after_three_of_its_beats(tmp_path):
+    """A node lost with its job: the relaunch waits 3 x the holder's own interval (0.3 s here), then takes it."""
+    (tmp_path / LEASE).write_bytes(lease_of({**_this_process(), "host": "lost-node"}, interval_s=0.1))
+    lease, took = take(tmp_path)
+    assert 0.3 <= took < 3 and lease.record["host"] != "lost-node"
+    lease.release()

@@ -43,6 +43,17 @@ def test_importing_the_reader_or_the_trainer_replaces_nothing_but_what_defers_tr
         out.stderr[-2000:])
 
 
+def test_building_a_reader_puts_every_replacement_in_place(dataset):
+    """What opens the door: TrainBatches (through TokenDataset), in a fresh process that did nothing else."""
+    code = ("import sys; from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset; "
+            "from stock_streaming import replaced_in_streaming; "
+            "TrainBatches(open_dataset(DataConfig(remote=sys.argv[1])), BatchPlan(8, 8, 1)).close(); "
+            "print(sorted(n for n in replaced_in_streaming() if not n.startswith('imported ')))")
+    out = subprocess.run([sys.executable, "-c", code, str(dataset)], cwd=ROOT / "tests", capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == str(sorted(THE_PROJECTS)), out.stderr[-2000:]
+
+
 def test_the_check_finds_each_replacement_in_a_process_that_imported_the_project():
     streaming_door.install()  # as every reader does when it is built
     replaced = replaced_in_streaming()
