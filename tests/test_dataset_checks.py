@@ -125,3 +125,19 @@ def test_bad_yaml_in_a_config_file_or_an_override_is_one_line(tmp_path):
     result = main(str(config))
     assert (result.returncode, result.stderr) == (2, f"error: config file {config} holds a list, not keys and "
                                                      "values (see configs/)\n")
+
+
+@pytest.mark.parametrize("chunk", [2, 6, 4 << 20])
+def test_the_vocabulary_check_reads_the_samples_exact_in_pieces_of_any_size(tmp_path, monkeypatch, chunk):
+    """largest_token (the check's read, kept out of the rank's mapping) against numpy's max of the samples,
+    with the samples at an odd offset of the file and the largest id in the first, a middle and the last token."""
+    from tokstream.reader import token_dataset
+
+    monkeypatch.setattr(token_dataset, "CHECK_CHUNK", chunk)
+    rng = np.random.default_rng(chunk)
+    for at in (0, 5_000, 9_999):
+        tokens = rng.integers(0, 50_000, 10_000).astype("<u2")
+        tokens[at] = 60_123
+        path = tmp_path / f"shard-{at}.mds"
+        path.write_bytes(b"\x01\x02\x03" + tokens.tobytes() + b"\xff\xff")  # a 3-byte header, 2 bytes after
+        assert token_dataset.largest_token(path, 3, 3 + tokens.nbytes, np.uint16) == 60_123

@@ -36,6 +36,30 @@ def sample_count_problem(held: int, indexed: int) -> str | None:
     return None if held == indexed else f"holds {held} samples, the index says {indexed}"
 
 
+# Read in pieces of this size by largest_token: a whole shard's pages would otherwise be mapped in.
+CHECK_CHUNK = 4 << 20
+
+
+def largest_token(path: object, begin: int, end: int, dtype: np.dtype) -> int:
+    """The largest token id in bytes [begin, end) of a shard file (0 if none), read through a buffer in pieces
+    rather than through the rank's mapping: a whole-shard pass through the mapping would make every page of
+    the shard resident in the rank (660-850 MB at a first batch of OpenWebText's size, bench/scale.py), where
+    training touches only its samples' pages."""
+    largest, itemsize = 0, np.dtype(dtype).itemsize
+    buffer = bytearray(CHECK_CHUNK)
+    with open(path, "rb", buffering=0) as file:
+        file.seek(begin)
+        while begin < end:
+            read = file.readinto(memoryview(buffer)[:min(CHECK_CHUNK, end - begin)])
+            if not read:
+                break  # shorter than its offsets say: shard_samples has refused that already
+            tokens = read // itemsize
+            if tokens:
+                largest = max(largest, int(np.frombuffer(buffer, dtype, count=tokens).max()))
+            begin += read
+    return largest
+
+
 class TokenDataset(internals.WindowedDownloadAhead):
     """Stock StreamingDataset that yields batches of this format's fixed-size token samples.
 
@@ -90,20 +114,22 @@ class TokenDataset(internals.WindowedDownloadAhead):
         dtype, length = self.sample_format()
         path = internals.shard_file(self, shard_id)
         # A plain ndarray view: slicing a np.memmap subclass costs far more per sample.
-        view = shard_samples(np.asarray(np.memmap(path, dtype=np.uint8, mode="r")), dtype, length, every_offset=False)
-        self._check(shard_id, view, path, sample_count_problem(len(view), self.shards[shard_id].samples))
+        mapped = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
+        view = shard_samples(mapped, dtype, length, every_offset=False)
+        problem = sample_count_problem(len(view), self.shards[shard_id].samples)
+        if problem is None and self.vocab_sizes is not None:
+            begin = view.ctypes.data - mapped.ctypes.data
+            self._check(shard_id, path, largest=largest_token(path, begin, begin + view.nbytes, dtype))
+        self._check(shard_id, path, problem)
         return view
 
-    def _check(self, shard_id: int, tokens: np.ndarray, path: object, problem: str | None = None) -> None:
-        """Refuse a shard read with a `problem`, or with a token id past its stream's vocabulary, which would
-        end training in an embedding lookup (a device assert on a GPU). Run once per mapped shard (a pass
-        over it at memory speed, its pages read from disk now instead of at its samples' turn) and on each
-        row read through stock get_item (a shard not local yet)."""
+    def _check(self, shard_id: int, path: object, problem: str | None = None, largest: int | None = None) -> None:
+        """Refuse a shard read with a `problem`, or whose `largest` token id is past its stream's vocabulary,
+        which would end training in an embedding lookup (a device assert on a GPU). Run once per mapped shard
+        and on each row read through stock get_item (a shard not local yet)."""
         stream = self.stream_per_shard[shard_id]
-        if problem is None and self.vocab_sizes is not None and tokens.size:
-            largest = int(tokens.max())
-            if largest >= self.vocab_sizes[stream]:
-                problem = f"holds token id {largest}, outside the dataset's vocab_size {self.vocab_sizes[stream]}"
+        if problem is None and largest is not None and largest >= self.vocab_sizes[stream]:
+            problem = f"holds token id {largest}, outside the dataset's vocab_size {self.vocab_sizes[stream]}"
         if problem is not None:
             dataset = self.streams[stream].remote or self.streams[stream].local
             raise DamagedData(damaged_shard(path, problem, dataset))
@@ -149,7 +175,8 @@ class TokenDataset(internals.WindowedDownloadAhead):
                 rows.append(view[index])
             else:
                 rows.append(super().get_item(sample_id)["tokens"])
-                self._check(shard_id, rows[-1], internals.shard_file(self, shard_id))
+                if self.vocab_sizes is not None:
+                    self._check(shard_id, internals.shard_file(self, shard_id), largest=int(rows[-1].max()))
         return rows
 
     def get_batch(self, sample_ids: list[int]) -> dict:
