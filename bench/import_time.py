@@ -1,5 +1,5 @@
 """A training rank's imports: the project's (streaming without transformers and torchvision until used,
-tokstream/train/streaming_import.py) against stock `import streaming`, fresh processes, same run.
+tokstream/reader/streaming_door/streaming_import.py) against stock `import streaming`, fresh processes, same run.
 
     python bench/import_time.py             # 5 alternating runs of each
     python bench/import_time.py --runs 9

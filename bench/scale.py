@@ -8,7 +8,7 @@ The dataset is OpenWebText's size (8.82 M samples of 1,025 tokens, 271 shards of
 by bin_to_mds.py from a sparse .bin, which costs disk but no time to generate (its tokens are all 0,
 which the reader does not care about). For each rank count, that many processes start together with
 torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) and build the training
-loader as train/main.py does (tokstream/train/data.py, micro-batch 12, the epoch training uses: the
+loader as train/main.py does (tokstream/reader/batches.py, micro-batch 12, the epoch training uses: the
 split cut to whole steps of configs/gpt2-124m-owt.yaml's 480 samples), fresh or resumed at 10%, 50%
 and 90% of the epoch (streaming's state, as a checkpoint holds it). The baseline, in the same run:
 stock StreamingDataset and StreamingDataLoader with the same settings, in processes that import
@@ -16,7 +16,7 @@ nothing of the project, fresh and at 50%, once each (--no-stock skips it).
 
 Cutting the epoch makes streaming draw a fraction of the stream, which its `get_sampling` adds up
 in a Python loop per sample; the fence replaces it with an equal vectorized one
-(tokstream/train/epoch_order.py). Both are timed here on this dataset's shards, same run.
+(tokstream/reader/streaming_door/epoch_order.py). Both are timed here on this dataset's shards, same run.
 
 Each rank reports: seconds from its start to the end of its imports; seconds from the moment every
 rank has imported (the parent then tells them all to go: on 2 cores, 8 ranks' imports end seconds

@@ -1,4 +1,4 @@
-"""Training throughput fed by tokstream/train/data.py's loader vs nanoGPT's get_batch, on the same model.
+"""Training throughput fed by tokstream.reader's TrainBatches vs nanoGPT's get_batch, on the same model.
 
     python bench/train_throughput.py          # GPT-2 124M, bf16, torch.compile, on one CUDA GPU
     python bench/train_throughput.py --config configs/tiny.yaml --steps 4 --rounds 2   # CPU smoke run
@@ -10,7 +10,7 @@ source differs:
 - resident: one batch already on the device, reused: the loop with no data loading at all;
 - memmap:   nanoGPT's get_batch on a train.bin (a memmap per call, random offsets, int64 x and y,
             pinned and copied without blocking);
-- project:  the same tokens converted to MDS, read shuffled through tokstream/train/data.py's loader with
+- project:  the same tokens converted to MDS, read shuffled through tokstream.reader's TrainBatches with
             the settings train/main.py uses, then to_device.
 The sources take turns in rounds, so clock or thermal drift affects all three equally.
 data_wait = 1 - (tokens/s of the source) / (tokens/s of resident): the share of step time

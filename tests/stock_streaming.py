@@ -1,9 +1,10 @@
 """Stock mosaicml-streaming as shipped, for the tests that compare the project's reader and epoch order with it.
 
-Any process that imports tokstream.train has the project's replacements installed in streaming's
-own modules (tokstream/train/streaming_internals.py: sampling, the py1e shuffle, random batching,
-Spanner, get_shm_prefix, FileLock; streaming_import.py: transformers' batch classes), so a
-StreamingDataset built in the test process runs the project's code. The references are computed
+Any process that has built a reader has the project's replacements installed in streaming's own
+modules (streaming_door.install(): sampling, the py1e shuffle, random batching, Spanner,
+get_shm_prefix, FileLock; and on importing tokstream.reader, streaming_import.py's stand-ins for
+transformers' batch classes), so a StreamingDataset built in the test process may run the project's
+code. The references are computed
 instead by this file run as a script, in a process of its own that imports streaming and none of
 the project: it serves requests (one JSON line each on stdin, the result as .npz) until its stdin
 closes, and refuses every one if `replaced_in_streaming()` finds anything not streaming's own.

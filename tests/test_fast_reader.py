@@ -1,4 +1,4 @@
-"""The project's fast reader (tokstream/train/token_dataset.py) against stock StreamingDataset.
+"""The project's fast reader (tokstream/reader/token_dataset.py) against stock StreamingDataset.
 
 Same samples, same order, for several seeds, worker counts and resume points; under a small
 cache_limit with a remote dataset (shards evicted and fetched again) the samples stay exact.
