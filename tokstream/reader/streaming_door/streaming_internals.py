@@ -446,13 +446,28 @@ def cache_full(dataset: StreamingDataset, shard_id: int) -> str:
     # about 4 per reader process of the node.
     worker = get_worker_info()
     readers = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * (worker.num_workers if worker else 1)
-    limit = free + int(dataset.cache_usage) - other_splits_to_fetch(dataset) - 4 * readers * largest
+    # Other readers' downloads in flight take disk space that cache_usage counts only once they are done:
+    # counted here, every rank that meets the full disk suggests the same limit.
+    held = int(dataset.cache_usage) + bytes_being_downloaded(cache)
+    limit = free + held - other_splits_to_fetch(dataset) - 4 * readers * largest
     hint = (f"set data.cache_limit to at most {size_setting(limit)} (the least recently used shards are "
             "then evicted to stay under it, leaving room for the other splits and the downloads in flight), "
             "or point data.local at a bigger disk"
             if limit >= 4 * largest else "point data.local at a bigger disk")  # streaming's lowest limit
     return (f"{no_space(f'the data cache {cache}')}: a shard of {size_setting(int(sizes[shard_id]))} did not "
             f"fit in the {size_setting(free)} free there; {hint}")
+
+
+def bytes_being_downloaded(cache: str) -> int:
+    """The bytes of the partial files (stock downloaders' `<file>.tmp`) in a split's cache directory."""
+    total = 0
+    for entry in os.scandir(cache):
+        if entry.name.endswith(".tmp"):
+            try:
+                total += entry.stat().st_size
+            except FileNotFoundError:  # finished (renamed) or undone meanwhile
+                pass
+    return total
 
 
 def other_splits_to_fetch(dataset: StreamingDataset) -> int:
