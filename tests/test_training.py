@@ -135,7 +135,7 @@ def test_start_removes_only_unmapped_blocks_of_its_own_dataset(dataset, tmp_path
     unlinks the stale streaming blocks of its own cache directories. Another job reading the same
     dataset keeps its live blocks; an unmapped block of another dataset stays too."""
     from tokstream.reader.config import DataConfig
-    from tokstream.reader.dataset import cache_dirs
+    from tokstream.reader import open_dataset
     from tokstream.reader.stale_shm import SHM_DIR, remove_stale_shared_memory
     from tokstream.reader.streaming_door.streaming_internals import LOCALS_BLOCK, locals_block
 
@@ -148,7 +148,7 @@ def test_start_removes_only_unmapped_blocks_of_its_own_dataset(dataset, tmp_path
         fakes[prefix][0].write_bytes(locals_block([str(local)], prefix))  # what a killed run leaves
         fakes[prefix][1].write_bytes(bytes(64))
     try:
-        removed = remove_stale_shared_memory(cache_dirs(DataConfig(remote=str(dataset))))
+        removed = remove_stale_shared_memory(open_dataset(DataConfig(remote=str(dataset))).cache_dirs)
         assert {path.name for path in fakes[987001]} <= set(removed)  # ours and unmapped: removed
         assert not any(path.exists() for path in fakes[987001])
         assert all(path.exists() for path in fakes[987002])  # another dataset's: left alone

@@ -56,7 +56,8 @@ class TrainBatches:
         self.epoch_samples = dataset.epoch_samples(plan)  # per source
         self._identity = {"dataset_identity": dataset.identity, "global_batch_size": plan.global_batch_size}
         self.loader = make_loader(config, config.split, plan.micro_batch_size, shuffle=True, pin_memory=pin_memory,
-                                  choose=self.epoch_samples, sources=dataset.sources, reuse_slots=reuse_buffers)
+                                  choose=self.epoch_samples, sources=dataset.sources, reuse_slots=reuse_buffers,
+                                  vocab_sizes=[m.vocab_size for m in dataset.metadata])
         self._first_sample_of_source = self.loader.dataset.sample_offset_per_stream
         # No reference back to self: a cycle would keep the loader's workers alive past the run.
         self._batches = _epoch_after_epoch(self.loader, self._first_sample_of_source if with_sources else None)
@@ -118,10 +119,11 @@ def eval_batches(dataset: Dataset, micro_batch_size: int, world_size: int, pin_m
     sources whose split gives every rank a micro-batch; and a line for each source left out."""
     split = dataset.config.val_split
     loaders, left_out = {}, []
-    for source, samples in zip(dataset.sources, dataset.samples(split)):
+    for source, metadata, samples in zip(dataset.sources, dataset.metadata, dataset.samples(split)):
         if val_split_holds_a_batch(samples, world_size, micro_batch_size):
             loaders[source.name] = make_loader(dataset.config, split, micro_batch_size, shuffle=False,
-                                               pin_memory=pin_memory, num_workers=0, sources=[source])
+                                               pin_memory=pin_memory, num_workers=0, sources=[source],
+                                               vocab_sizes=[metadata.vocab_size])
         elif samples:
             left_out.append(f"evaluation of {source.where} is off: its {split} split has {samples} samples, fewer "
                             f"than one micro-batch of {micro_batch_size} on each of {world_size} ranks")
@@ -143,9 +145,11 @@ def predownload(config: DataConfig, batch_size: int) -> int:
 
 def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, pin_memory: bool,
                 num_workers: int | None = None, choose: list[int] | None = None,
-                sources: list[Source] | None = None, reuse_slots: bool = False) -> TokenLoader:
+                sources: list[Source] | None = None, reuse_slots: bool = False,
+                vocab_sizes: list[int] | None = None) -> TokenLoader:
     """A loader over the split of every source (or of `sources`), each giving `choose[i]` samples an
-    epoch (default: each of its samples once). `reuse_slots`: see TokenLoader."""
+    epoch (default: each of its samples once). `reuse_slots`: see TokenLoader. `vocab_sizes`: per source,
+    an opened Dataset's; read from each source's metadata.json if not given (a benchmark's loader)."""
     sources = mixture.sources(config) if sources is None else sources
     streams = []
     for index, source in enumerate(sources):
@@ -161,7 +165,7 @@ def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, 
             shuffle_block_size=config.shuffle_block_size, num_canonical_nodes=config.num_canonical_nodes,
             batch_size=batch_size, cache_limit=config.cache_limit,
             predownload=predownload(config, batch_size), download_retry=config.download_retry,
-            vocab_sizes=[vocab_size(source, split) for source in sources],
+            vocab_sizes=vocab_sizes or [vocab_size(source, split) for source in sources],
         )
     except ValueError as err:  # streaming's word on a bad setting, e.g. a cache_limit below 4 shards
         raise UserError(f"data ({split}): {err}") from None

@@ -35,12 +35,6 @@ def local_root(source: Source) -> str:
     return source.local or source.remote
 
 
-def cache_dirs(config: DataConfig) -> list[str]:
-    """The split directories StreamingDataset registers in shared memory for this run."""
-    return [os.path.join(local_root(source), split) for source in mixture.sources(config)
-            for split in (config.split, config.val_split)]
-
-
 def fetch_index_files(source: Source, splits: tuple[str, ...]) -> Path:
     """The directory holding the source's metadata.json and each split's index.json, downloaded first
     if remote.
@@ -124,13 +118,10 @@ class Dataset:
         return [source.name for source in self.sources]
 
     @property
-    def block_size(self) -> int:
-        return self.metadata[0].block_size  # the same in every source (mixture.check_same_tokens)
-
-    @property
     def cache_dirs(self) -> list[str]:
         """The split directories its StreamingDatasets register in shared memory (stale_shm.py)."""
-        return cache_dirs(self.config)
+        return [os.path.join(local_root(source), split) for source in self.sources
+                for split in (self.config.split, self.config.val_split)]
 
     def samples(self, split: str) -> list[int]:
         """The split's samples in each source (0 where a source lacks the split)."""
@@ -191,7 +182,7 @@ def val_split_holds_a_batch(samples: int, world_size: int, micro_batch_size: int
 
 
 def vocab_size(source: Source, split: str) -> int:
-    """The source's vocab_size from its metadata.json: where open_dataset left it, or fetched now by a
-    loader made without it (a benchmark's)."""
+    """The source's vocab_size from its metadata.json, for a loader made without an opened Dataset (a
+    benchmark's): where an earlier open left it, or fetched now."""
     fetched = is_remote(source.remote) and Path(local_root(source), METADATA_FILE).is_file()
     return read_metadata(local_root(source) if fetched else fetch_index_files(source, (split,))).vocab_size

@@ -117,10 +117,11 @@ class TokenDataset(internals.WindowedDownloadAhead):
         mapped = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
         view = shard_samples(mapped, dtype, length, every_offset=False)
         problem = sample_count_problem(len(view), self.shards[shard_id].samples)
+        largest = None
         if problem is None and self.vocab_sizes is not None:
             begin = view.ctypes.data - mapped.ctypes.data
-            self._check(shard_id, path, largest=largest_token(path, begin, begin + view.nbytes, dtype))
-        self._check(shard_id, path, problem)
+            largest = largest_token(path, begin, begin + view.nbytes, dtype)
+        self._check(shard_id, path, problem, largest)
         return view
 
     def _check(self, shard_id: int, path: object, problem: str | None = None, largest: int | None = None) -> None:

@@ -31,12 +31,3 @@ def install() -> None:
     internals.install_spanner(lean_spanner.LeanSpanner)
     internals.install_prefix_registration(prefix_registration.get_shm_prefix_claimed)
     internals.install_file_lock()
-
-
-def installed() -> bool:
-    """Whether install() has run in this process."""
-    from tokstream.reader.streaming_door import epoch_order
-    from tokstream.reader.streaming_door import streaming_internals as internals
-
-    return internals.epoch_order_in_force(epoch_order.get_sampling_vectorized, epoch_order.get_shuffle_py1e_fast,
-                                          epoch_order.generate_work_random)
