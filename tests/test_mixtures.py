@@ -153,27 +153,27 @@ def test_a_relaunch_may_move_or_rename_a_source_but_not_reweigh_or_add_one():
     saved = mixture_config().to_dict()
     moved = mixture_config("data.streams.0.remote=s3://bucket/web", "data.streams.0.local=/cache/web",
                            "data.streams.1.name=novels")
-    assert check_relaunch(saved, moved) == [
+    assert check_relaunch(saved, moved, step=10) == [
         "data.streams.0.remote changed from '/data/web' to 's3://bucket/web'",
         "data.streams.0.local changed from None to '/cache/web'",
         "data.streams.1.name changed from None to 'novels'"]
-    assert refusal(lambda: check_relaunch(saved, mixture_config("data.streams.1.proportion=0.4"))) == (
+    assert refusal(lambda: check_relaunch(saved, mixture_config("data.streams.1.proportion=0.4"), step=10)) == (
         "data.streams.1.proportion changed from 0.3 to 0.4 since the checkpoint: the mixture, and so the sample "
         "order, would change; keep it, or use a new run_dir")
     assert refusal(lambda: check_relaunch(saved, mixture_config("data.streams.2.remote=/data/code",
-                                                                "data.streams.2.proportion=0.1"))) == (
+                                                                "data.streams.2.proportion=0.1"), step=10)) == (
         "data.streams: the checkpoint's run read a mixture of 2, this launch a mixture of 3: the mixture, and so "
         "the sample order, would change; keep it, or use a new run_dir")
     three = mixture_config("data.streams.2.remote=/data/code", "data.streams.2.proportion=0.1").to_dict()
-    assert refusal(lambda: check_relaunch(three, mixture_config())) == (  # a source dropped
+    assert refusal(lambda: check_relaunch(three, mixture_config(), step=10)) == (  # a source dropped
         "data.streams: the checkpoint's run read a mixture of 3, this launch a mixture of 2: the mixture, and so "
         "the sample order, would change; keep it, or use a new run_dir")
     single = load_config(None, ["data.remote=/data/web"])
     assert "the checkpoint's run read one dataset (data.remote), this launch a mixture of 2" in refusal(
-        lambda: check_relaunch(single.to_dict(), mixture_config()))
+        lambda: check_relaunch(single.to_dict(), mixture_config(), step=10))
     before_mixtures = single.to_dict()
     del before_mixtures["data"]["streams"]  # a checkpoint written before data.streams existed
-    assert check_relaunch(before_mixtures, single) == []
+    assert check_relaunch(before_mixtures, single, step=10) == []
 
 
 def test_the_example_config_mixes_two_real_corpora(dataset, tmp_path):

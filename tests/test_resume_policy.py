@@ -18,16 +18,16 @@ def relaunch(*overrides: str):
 
 def refusal(saved: dict, *overrides: str) -> str:
     with pytest.raises(UserError) as refused:
-        check_relaunch(saved, relaunch(*overrides))
+        check_relaunch(saved, relaunch(*overrides), step=10)
     return str(refused.value)
 
 
 def test_execution_settings_change_freely_and_are_reported():
     notes = check_relaunch(saved_config(), relaunch("micro_batch_size=2", "data.num_workers=2", "compile=true",
-                                                    "run_dir=/elsewhere", "data.local=/cache", "eval_interval=5"))
+                                                    "run_dir=/elsewhere", "data.local=/cache", "eval_interval=5"), step=10)
     assert "micro_batch_size changed from 4 to 2" in notes and "data.num_workers changed from 0 to 2" in notes
     assert len(notes) == 6
-    assert check_relaunch(saved_config(), relaunch()) == []
+    assert check_relaunch(saved_config(), relaunch(), step=10) == []
 
 
 @pytest.mark.parametrize("setting", [
@@ -39,7 +39,7 @@ def test_execution_settings_change_freely_and_are_reported():
 def test_every_free_setting_changes_and_is_said(setting):
     """Each of resume_policy.FREE (those not in the test above), changed alone: accepted, in one line."""
     key, _, value = setting.partition("=")
-    notes = check_relaunch(saved_config(), relaunch(setting))
+    notes = check_relaunch(saved_config(), relaunch(setting), step=10)
     assert len(notes) == 1 and notes[0].startswith(f"{key} changed from "), notes
 
 
@@ -48,7 +48,7 @@ def test_the_recipe_is_refused_with_the_setting_named_unless_allowed():
         key = setting.split("=")[0]
         assert f"{key} changed from" in refusal(saved_config(), setting)
         assert f"resume_allow=[{key}]" in refusal(saved_config(), setting)
-        notes = check_relaunch(saved_config(), relaunch(setting, f"resume_allow=[{key}]"))
+        notes = check_relaunch(saved_config(), relaunch(setting, f"resume_allow=[{key}]"), step=10)
         assert notes == [notes[0]] and notes[0].endswith("(resume_allow: on purpose)")
 
 
@@ -56,9 +56,9 @@ def test_max_steps_may_grow_only_while_the_schedule_stays_put():
     message = refusal(saved_config(), "max_steps=80")  # decay_steps unset: the cosine would stretch
     assert "max_steps changed from 40 to 80 while optim.decay_steps is unset" in message
     assert "set optim.decay_steps=40 to keep it" in message
-    assert check_relaunch(saved_config(), relaunch("max_steps=80", "optim.decay_steps=40")) == [
+    assert check_relaunch(saved_config(), relaunch("max_steps=80", "optim.decay_steps=40"), step=10) == [
         "max_steps changed from 40 to 80", "optim.decay_steps changed from None to 40"]
-    assert check_relaunch(saved_config("optim.decay_steps=40"), relaunch("max_steps=80", "optim.decay_steps=40"))
+    assert check_relaunch(saved_config("optim.decay_steps=40"), relaunch("max_steps=80", "optim.decay_steps=40"), step=10)
     assert "optim.decay_steps changed from 40 to 80" in refusal(saved_config("optim.decay_steps=40"),
                                                                 "max_steps=80", "optim.decay_steps=80")
 

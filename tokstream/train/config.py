@@ -32,6 +32,31 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    # The schedule counted in tokens instead of steps, so that a batch ramp (phases) does not stretch it:
+    # warmup over warmup_tokens, cosine to min_lr at decay_tokens (both needed; warmup/decay_steps unused).
+    warmup_tokens: int | None = None
+    decay_tokens: int | None = None
+
+
+@dataclass
+class PhaseData:
+    """What a phase reads: a dataset (remote) or a mixture (streams), as under `data:`. Unset: the previous
+    phase's. How the data is read (workers, cache, shuffle settings) is the run's `data:` section."""
+
+    remote: str = ""
+    local: str | None = None  # a remote's cache, or a mixture's cache root (its sources under it)
+    streams: list[StreamConfig] = field(default_factory=list)
+    split: str | None = None
+    val_split: str | None = None
+
+
+@dataclass
+class PhaseConfig:
+    """Part of a run from `start_step` on (tokstream/train/phases.py): its global batch and data."""
+
+    start_step: int = 0
+    global_batch_size: int | None = None  # unset: the previous phase's (the first's: global_batch_size)
+    data: PhaseData = field(default_factory=PhaseData)
 
 
 @dataclass
@@ -66,6 +91,8 @@ class TrainConfig:
     # Recipe settings a relaunch changes on purpose, e.g. [optim.lr]; any other change is refused
     # (resume_policy.py says what may change freely).
     resume_allow: list[str] = field(default_factory=list)
+    # A recipe that changes during the run: global batch, data and block size from a step on (README, "Phases").
+    phases: list[PhaseConfig] = field(default_factory=list)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -101,10 +128,20 @@ def _apply(target: object, key: str, value: object, where: str, prefix: str = ""
             value = float(value)  # YAML reads 1e-3 (no dot) as a string
         except ValueError:
             pass
+    if expected is int and isinstance(value, (float, str)) and not isinstance(value, bool):
+        value = _whole_number(value)  # token counts: 4.0e6, or 4e6 (a string to YAML)
     if expected is not None and value is not None and (not isinstance(value, expected) or
                                                        (expected is int and isinstance(value, bool))):
         raise UserError(f"{where}: {full} must be {expected.__name__}, got {value!r}")
     setattr(target, head, value)
+
+
+def _whole_number(value: float | str) -> int | float | str:
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return int(number) if number.is_integer() else value
 
 
 def _value_type(annotation: object, current: object) -> type | None:
@@ -156,6 +193,13 @@ def _parse_yaml(text: str, what: str, fix: str) -> object:
         raise UserError(f"{what} is not valid YAML{where}: {problem}; {fix}") from None
 
 
+def config_from_dict(saved: dict) -> TrainConfig:
+    """The TrainConfig a checkpoint recorded (TrainConfig.to_dict()); settings added since keep their defaults."""
+    config = TrainConfig()
+    _apply_section(config, saved, "the checkpoint's config", "")
+    return config
+
+
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     """Defaults, then the YAML file, then `key=value` overrides (values parsed as YAML)."""
     config = TrainConfig()
@@ -174,7 +218,8 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
         value = _parse_yaml(raw, f"override {item!r}: {raw!r}",
                             "quote a string YAML would misread inside the argument, e.g. 'key=\"[a\"'") if raw else None
         _apply(config, key.strip(), value, "command line")
-    if not config.data.remote and not config.data.streams:
+    first = config.phases[0].data if config.phases else config.data
+    if not (config.data.remote or config.data.streams or first.remote or first.streams):
         raise UserError("data.remote is not set: give the dataset root, e.g. data.remote=data/owt, or a mixture "
-                        "in data.streams")
+                        "in data.streams (with phases: or in phases.0.data)")
     return config

@@ -62,5 +62,6 @@ def console_line(record: dict) -> str:
     if "val_loss_per_source" in record:
         val += " (" + ", ".join(f"{name} {loss:.4f}" for name, loss in record["val_loss_per_source"].items()) + ")"
     mfu = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
-    return (f"step {record['step']} loss {record['loss']:.4f}{val} lr {record['lr']:.2e} "
+    tokens = f" tokens {record['tokens']:,}" if "tokens" in record else ""
+    return (f"step {record['step']}{tokens} loss {record['loss']:.4f}{val} lr {record['lr']:.2e} "
             f"{record['tokens_per_s']:,.0f} tok/s data_wait {record['data_wait_s'] * 1e3:.1f} ms{mfu}")

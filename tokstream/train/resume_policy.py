@@ -6,14 +6,18 @@
   logging, evaluation, checkpoint cadence, compilation, max_steps while the LR schedule stays put.
 - Fixed: what the checkpoint or the sample order is made of, a mixture's sources and weights
   included. Changing it needs a new run_dir.
+- Phases (phases.py): a phase that has started or ended keeps its recipe (start, global batch, data);
+  phases that start after the checkpoint's step may be edited, added or removed, said in one line.
 - The recipe: everything else (seed, dtype, optim.*, a max_steps that moves the LR schedule).
   Refused with the setting named, unless the relaunch lists it in `resume_allow` on purpose.
 """
 
+import dataclasses
 from fnmatch import fnmatch
 
 from tokstream.errors import UserError
-from tokstream.train.config import TrainConfig
+from tokstream.train.config import TrainConfig, config_from_dict
+from tokstream.train.phases import Phase, resolve_phases
 
 FREE = ("run_dir", "run_local", "log_interval", "eval_interval", "eval_batches", "checkpoint_interval",
         "keep_checkpoints", "background_checkpoints", "preempt_grace_s", "lease_interval_s", "trace_samples",
@@ -48,18 +52,27 @@ def _decay_steps(config: dict) -> int:
     return config["optim"]["decay_steps"] or config["max_steps"]
 
 
-def check_relaunch(saved: dict, config: TrainConfig) -> list[str]:
-    """Refuse (UserError) a change the policy does not allow; return one line per accepted change."""
+# With phases, what each phase reads is compared phase by phase (check_phases), not as the run's settings.
+PHASE_SETTINGS = ("phases.*", "global_batch_size", "data.remote", "data.local", "data.split", "data.val_split",
+                  "data.streams.*")
+
+
+def check_relaunch(saved: dict, config: TrainConfig, step: int) -> list[str]:
+    """Refuse (UserError) a change the policy does not allow to a run resumed at `step`; return one line per
+    accepted change."""
     now = config.to_dict()
+    phased = bool(saved.get("phases") or config.phases)
     sources_then, sources_now = len(saved["data"].get("streams", [])), len(now["data"]["streams"])
-    if sources_then != sources_now:
+    if sources_then != sources_now and not phased:
         describe = lambda count: f"a mixture of {count}" if count else "one dataset (data.remote)"  # noqa: E731
         raise UserError(f"data.streams: the checkpoint's run read {describe(sources_then)}, this launch "
                         f"{describe(sources_now)}: {FIXED['data.streams.*']}; keep it, or use a new run_dir")
     old_flat, new_flat = _flatten(saved), _flatten(now)
-    changed = [key for key in new_flat if key in old_flat and old_flat[key] != new_flat[key] and key != "resume_allow"]
-    schedule_holds = _decay_steps(saved) == _decay_steps(now)
-    notes = []
+    changed = [key for key in new_flat if key in old_flat and old_flat[key] != new_flat[key] and key != "resume_allow"
+               and not (phased and any(fnmatch(key, pattern) for pattern in PHASE_SETTINGS))]
+    # A schedule in tokens (optim.decay_tokens) does not move with max_steps.
+    schedule_holds = _decay_steps(saved) == _decay_steps(now) or now["optim"].get("decay_tokens") is not None
+    notes = check_phases(saved, config, step) if phased else []
     for key in changed:
         change = f"{key} changed from {old_flat[key]!r} to {new_flat[key]!r}"
         free = any(fnmatch(key, pattern) for pattern in FREE)
@@ -79,3 +92,52 @@ def check_relaunch(saved: dict, config: TrainConfig) -> list[str]:
             raise UserError(f"{change} since the checkpoint: a resumed run keeps its recipe; use a new run_dir, or "
                             f"add resume_allow=[{key}] to change it on purpose")
     return notes
+
+
+def _phase_settings(phase: Phase, keys: tuple[str, ...]) -> dict:
+    settings = _flatten({"start_step": phase.start_step, "global_batch_size": phase.global_batch_size,
+                         "data": dataclasses.asdict(phase.data)})
+    return {key: value for key, value in settings.items() if any(fnmatch(key, pattern) for pattern in keys)}
+
+
+# What a phase's recipe is: a started phase may change only where its data lives (FREE), and the data's
+# identity is checked too (Recipe.check_resumes).
+RECIPE = ("start_step", "global_batch_size", "data.remote", "data.split", "data.val_split", "data.streams.*")
+
+
+def _differences(old: dict, new: dict, name: str, ignore: tuple[str, ...] = ()) -> list[str]:
+    """"name.key old -> new" for each setting that differs, leaving out those matching `ignore`."""
+    return [f"{name}.{key} {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
+            if old.get(key) != new.get(key) and not any(fnmatch(key, pattern) for pattern in ignore)]
+
+
+def check_phases(saved: dict, config: TrainConfig, step: int) -> list[str]:
+    """Refuse an edit of a phase that has started by `step` (phase 0 always has); one line for edits of the
+    phases after it."""
+    old, new = resolve_phases(config_from_dict(saved)), resolve_phases(config)
+    started_old = [p for p in old if p.index == 0 or p.start_step < step]
+    started_new = [p for p in new if p.index == 0 or p.start_step < step]
+    keep = (f"a phase that has started or ended keeps its recipe; edit only phases that start after step {step}, "
+            "or use a new run_dir")
+    for index in range(max(len(started_old), len(started_new))):
+        if index >= len(started_old):
+            phase = started_new[index]
+            raise UserError(f"{phase.name} would start at step {phase.start_step}, before the checkpoint's step {step}: "
+                            f"those steps were trained in {started_old[-1].name}; {keep}")
+        if index >= len(started_new):
+            phase = started_old[index]
+            raise UserError(f"{phase.name}, which started at step {phase.start_step}, is gone from this launch's "
+                            f"phases (the checkpoint is at step {step}); {keep}")
+        then, now = started_old[index], started_new[index]
+        # Where the data lives may change (FREE); that it is the same data is Recipe.check_resumes' to say.
+        differences = _differences(_phase_settings(then, RECIPE), _phase_settings(now, RECIPE), then.name, FREE)
+        if differences:
+            raise UserError(f"{then.name} has started (at step {then.start_step}; the checkpoint is at step {step}) "
+                            f"but changed: {', '.join(differences)}; {keep}")
+    later = len(started_old)
+    old_rest = {f"{p.index}.{k}": v for p in old[later:] for k, v in _phase_settings(p, RECIPE).items()}
+    new_rest = {f"{p.index}.{k}": v for p in new[later:] for k, v in _phase_settings(p, RECIPE).items()}
+    if old_rest == new_rest:
+        return []
+    return [f"phases that start after step {step} changed (not started yet, so allowed): "
+            + ", ".join(_differences(old_rest, new_rest, "phases"))]

@@ -1,11 +1,13 @@
 """Training GPT-2 from a converted dataset: `setup` builds a run, `train` is the loop.
 
-Where a sample is produced: `next(run.batches)` (tokstream.reader.TrainBatches) pulls a micro-batch from
+Where a sample is produced: `next(run.batches)` (the phase's tokstream.reader.TrainBatches: phased_batches.py)
+pulls a micro-batch from
 TokenLoader (token_loader.py), which takes the rank's share of streaming's shuffled sample order a
 micro-batch at a time from TokenDataset.get_batch (token_dataset.py), stacked into (pinned) host
 memory; to_device widens the tokens on the device.
 """
 
+import gc
 import os
 import time
 from collections.abc import Iterable
@@ -17,20 +19,21 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from tokstream.errors import StoreError, UserError, no_space, out_of_space
-from tokstream.reader import (BatchPlan, Dataset, TrainBatches, eval_batches, open_dataset, remove_stale_shared_memory,
-                              to_device)
+from tokstream.reader import BatchPlan, Dataset, eval_batches, remove_stale_shared_memory, to_device
 from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
 from tokstream.train.config import TrainConfig
 from tokstream.train.distributed import Distributed
 from tokstream.train.grace import budget_line, measure_write_rate, notice_line, state_bytes
 from tokstream.train.metrics import METRICS_FILE, MetricsLog, console_line
 from tokstream.train.model import GPT, peak_bf16_flops
+from tokstream.train.phased_batches import PhasedBatches
+from tokstream.train.phases import Phase, Recipe
 from tokstream.train.preemption import PreemptionWatch
 from tokstream.train.resume_policy import check_relaunch
 from tokstream.train.run_lease import RunLease
 from tokstream.train.rng import RankRNG
 from tokstream.train.run_store import RunStore, S3RunStore, open_run_store
-from tokstream.train.schedule import learning_rate
+from tokstream.train.schedule import in_tokens, learning_rate
 
 
 @dataclass
@@ -39,14 +42,11 @@ class Run:
 
     config: TrainConfig
     dist: Distributed
-    plan: BatchPlan
+    recipe: Recipe  # the phases (one without `phases`), their data opened
     raw_model: GPT  # what is checkpointed
     model: torch.nn.Module  # what is called: compiled and/or wrapped in DDP
     optimizer: torch.optim.Optimizer
-    batches: TrainBatches
-    source_names: list[str]  # the mixture's, in data.streams order
-    val_loaders: dict[str, Iterable[dict]]  # per source with a val split
-    val_weights: dict[str, float]  # each one's share of an epoch: val_loss is their weighted mean
+    batches: PhasedBatches
     progress: Progress
     store: RunStore
     checkpointer: Checkpointer
@@ -55,6 +55,12 @@ class Run:
     autocast: object
     peak_flops: float | None
     lease: RunLease | None  # rank 0's: one live job per run_dir
+    # The phase being trained, set by enter_phase, and what it reads:
+    phase: Phase | None = None
+    plan: BatchPlan | None = None
+    source_names: list[str] | None = None  # its data's sources, in data.streams order
+    val_loaders: dict[str, Iterable[dict]] | None = None  # per source with a val split
+    val_weights: dict[str, float] | None = None  # each one's share of an epoch: val_loss is their weighted mean
 
 
 def setup(config: TrainConfig) -> Run:
@@ -62,23 +68,22 @@ def setup(config: TrainConfig) -> Run:
     if config.deterministic:
         use_deterministic_kernels()
     dist = Distributed.start(config.device)
-    plan = BatchPlan(config.global_batch_size, config.micro_batch_size, dist.world)
-    dataset = open_dataset(config.data, config.model.vocab_size, config.model.block_size)
-    epoch_line = dataset.describe_epoch(plan)  # refuses a split too small for one step
-    if dist.master:
-        print(epoch_line)
+    in_tokens(config)  # refuses half a token schedule
+    recipe = Recipe.open(config, dist.world)
+    for line in recipe.describe_epochs():  # refuses a split too small for one step
+        if dist.master:
+            print(line)
     store = open_run_store(config.run_dir, config.run_local, check_writable=dist.master)
     lease = hold_the_lease(store, config.lease_interval_s, dist)
     try:
-        return _build(config, dist, plan, dataset, store, lease)
+        return _build(config, dist, recipe, store, lease)
     except BaseException:  # a refused relaunch gives the lease back at once, not at its process's exit
         if lease is not None:
             lease.release()
         raise
 
 
-def _build(config: TrainConfig, dist: Distributed, plan: BatchPlan, dataset: Dataset, store: RunStore,
-           lease: RunLease | None) -> Run:
+def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunStore, lease: RunLease | None) -> Run:
     """setup()'s part under the run's lease: resume or start, and everything the loop uses."""
     checkpoint_url, saved = find_latest(store, dist)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
@@ -86,8 +91,10 @@ def _build(config: TrainConfig, dist: Distributed, plan: BatchPlan, dataset: Dat
         if saved["progress"]["step"] > config.max_steps:
             raise UserError(f"max_steps={config.max_steps} is below the step of {checkpoint_url}, "
                             f"{saved['progress']['step']}: raise max_steps, or point run_dir elsewhere")
-        changes = [*check_relaunch(old["config"], config), plan.describe_change(old["batch_plan"])]
-        dataset.check_resumes(old["dataset_identity"])
+        step = saved["progress"]["step"]
+        changes = [*check_relaunch(old["config"], config, step),
+                   recipe.plan(recipe.at(step)).describe_change(old["batch_plan"])]
+        recipe.check_resumes(old.get("phase_identities") or [old["dataset_identity"]], step)
         if dist.master:
             for change in filter(None, changes):
                 print(f"relaunch: {change}")
@@ -98,13 +105,12 @@ def _build(config: TrainConfig, dist: Distributed, plan: BatchPlan, dataset: Dat
                                     (config.optim.beta1, config.optim.beta2), dist.device.type)
     if config.data.clean_stale_shared_memory:
         if dist.local_rank == 0:  # once per node, before any rank registers its datasets
-            removed = remove_stale_shared_memory(dataset.cache_dirs)
+            removed = remove_stale_shared_memory(sorted({d for dataset in recipe.datasets for d in dataset.cache_dirs}))
             if removed:
                 print(f"removed {len(removed)} shared-memory blocks a killed run of this dataset left behind")
         dist.barrier()
     use_cuda = dist.device.type == "cuda"
-    batches = TrainBatches(dataset, plan, pin_memory=use_cuda, reuse_buffers=True)  # each goes to the device at once
-    val_loaders = validation_loaders(config, dataset, dist, pin_memory=use_cuda)
+    batches = PhasedBatches(recipe, pin_memory=use_cuda)
     model = torch.compile(raw_model) if config.compile else raw_model
     autocast = torch.autocast("cuda", dtype=getattr(torch, config.dtype)) if use_cuda else nullcontext()
     if dist.enabled:
@@ -118,8 +124,10 @@ def _build(config: TrainConfig, dist: Distributed, plan: BatchPlan, dataset: Dat
     checkpointer = Checkpointer(store, config.keep_checkpoints, dist,
                                 components={"model": raw_model, "optimizer": optimizer, "loader": batches,
                                             "rng": rng, "progress": progress},
-                                run_record={"config": config.to_dict(), "batch_plan": plan.state_dict(),
-                                            "dataset_identity": dataset.identity},
+                                run_record={"config": config.to_dict(),
+                                            "batch_plan": recipe.plan(recipe.phases[0]).state_dict(),
+                                            "dataset_identity": recipe.stream(recipe.phases[0]),
+                                            "phase_identities": [recipe.stream(phase) for phase in recipe.phases]},
                                 metrics_path=metrics.path if in_store else None)
     if saved is not None:
         checkpointer.restore(saved)
@@ -129,10 +137,31 @@ def _build(config: TrainConfig, dist: Distributed, plan: BatchPlan, dataset: Dat
         metrics.replace(store.read_bytes(METRICS_FILE) or b"")
         print(f"metrics: {metrics.path} (a copy goes to {store.url} with each checkpoint)")
     metrics.truncate_after(progress.step)
-    shares = {name: count / sum(batches.epoch_samples) for name, count in zip(dataset.source_names, batches.epoch_samples)}
-    return Run(config, dist, plan, raw_model, model, optimizer, batches, dataset.source_names, val_loaders,
-               {name: shares[name] for name in val_loaders}, progress, store, checkpointer,
-               metrics, PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None, lease)
+    run = Run(config, dist, recipe, raw_model, model, optimizer, batches, progress, store, checkpointer, metrics,
+              PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None, lease)
+    line = enter_phase(run, progress.step)
+    if line and dist.master:
+        print(line)
+    return run
+
+
+def enter_phase(run: Run, step: int) -> str | None:
+    """Train step `step` in its phase: a phase that reads other data opens its stream and its evaluation
+    data; the phase's line when it is not the one being trained (with phases)."""
+    phase = run.recipe.at(step)
+    if phase == run.phase:
+        return None
+    if run.phase is None or run.recipe.stream(phase) != run.recipe.stream(run.phase):
+        run.val_loaders = None
+        gc.collect()  # the old evaluation data's StreamingDatasets go before the new ones register
+        run.batches.enter(phase)
+        dataset = run.recipe.dataset(phase)
+        run.val_loaders = validation_loaders(run.config, dataset, run.dist, pin_memory=run.dist.device.type == "cuda")
+        epoch = run.batches.batches.epoch_samples
+        run.val_weights = {name: epoch[dataset.source_names.index(name)] / sum(epoch) for name in run.val_loaders}
+        run.source_names = dataset.source_names
+    run.phase, run.plan = phase, run.recipe.plan(phase)
+    return run.recipe.describe(phase) if len(run.recipe.phases) > 1 else None
 
 
 def settle_gradient_buckets(model: DDP, optimizer: torch.optim.Optimizer, config: TrainConfig,
@@ -206,13 +235,11 @@ PREEMPTED_EXIT_STATUS = 75
 def train(config: TrainConfig) -> bool:
     """Train until max_steps (True) or a preemption notice (False, after a checkpoint)."""
     run = setup(config)
-    dist, model, optimizer, progress = run.dist, run.model, run.optimizer, run.progress
-    accumulation = run.plan.accumulation
-    tokens_per_step = config.global_batch_size * config.model.block_size
-    flops_per_token = run.raw_model.flops_per_token()
+    dist, model, optimizer, progress, recipe = run.dist, run.model, run.optimizer, run.progress, run.recipe
     if dist.master:
         print(f"{run.raw_model.num_params() / 1e6:.2f}M parameters, {dist.world} ranks x {config.micro_batch_size} "
-              f"samples x {accumulation} accumulation = {config.global_batch_size} samples/step, device {dist.device}")
+              f"samples x {run.plan.accumulation} accumulation = {run.plan.global_batch_size} samples/step, "
+              f"{recipe.tokens_before(config.max_steps):,} tokens in {config.max_steps} steps, device {dist.device}")
     bar = tqdm(total=config.max_steps, initial=progress.step, unit="step", disable=not dist.master,
                dynamic_ncols=True)
     model.train()
@@ -230,8 +257,13 @@ def train(config: TrainConfig) -> bool:
                       + ", exiting")
             finished = False
             break
+        if (line := enter_phase(run, progress.step)) and dist.master:
+            bar.write(line)
         started = time.perf_counter()
-        lr = learning_rate(progress.step, config)
+        accumulation = run.plan.accumulation
+        step_tokens = run.plan.global_batch_size * recipe.block_size(run.phase)
+        tokens_before = recipe.tokens_before(progress.step)
+        lr = learning_rate(progress.step, config, tokens_before, step_tokens)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=dist.device)
@@ -254,17 +286,12 @@ def train(config: TrainConfig) -> bool:
         progress.step += 1
 
         step = progress.step
-        record = {"step": step, "loss": dist.mean(loss_sum).item(), "lr": lr}
-        if config.trace_samples:
-            record["samples"] = dist.gather(sample_ids)
-        if len(run.source_names) > 1:
-            counts = torch.from_numpy(run.batches.samples_per_source(sample_ids)).to(dist.device)
-            dist.sum(counts)
-            record["samples_per_source"] = dict(zip(run.source_names, counts.tolist()))
+        record = {"step": step, "loss": dist.mean(loss_sum).item(), "lr": lr,
+                  **data_record(run, sample_ids, tokens_before + step_tokens)}
         seconds = time.perf_counter() - started
-        record.update(tokens_per_s=tokens_per_step / seconds, data_wait_s=data_wait, step_s=seconds)
+        record.update(tokens_per_s=step_tokens / seconds, data_wait_s=data_wait, step_s=seconds)
         if run.peak_flops:
-            record["mfu"] = flops_per_token * tokens_per_step / seconds / (run.peak_flops * dist.world)
+            record["mfu"] = run.raw_model.flops_per_token() * step_tokens / seconds / (run.peak_flops * dist.world)
         if run.val_loaders and step % config.eval_interval == 0:
             val_losses = evaluate(run)
             if val_losses is not None:
@@ -289,6 +316,25 @@ def train(config: TrainConfig) -> bool:
     if run.lease is not None:
         run.lease.release()
     return finished
+
+
+def data_record(run: Run, sample_ids: list[int], tokens: int) -> dict:
+    """What a step read, for metrics.jsonl: tokens so far, its samples (trace_samples) and phase, and per source
+    its samples and what each source has given the run (PhasedBatches.consumed)."""
+    record = {"tokens": tokens}
+    if len(run.recipe.phases) > 1:
+        record["phase"] = run.phase.index
+    if run.config.trace_samples:
+        record["samples"] = run.dist.gather(sample_ids)
+    counts = [run.plan.global_batch_size]
+    if len(run.source_names) > 1:  # one all-reduce; a single source gives every sample
+        counts = torch.from_numpy(run.batches.samples_per_source(sample_ids)).to(run.dist.device)
+        run.dist.sum(counts)
+        counts = counts.tolist()
+        record["samples_per_source"] = dict(zip(run.source_names, counts))
+    run.batches.count(run.phase, counts)
+    record["consumed"] = {name: dict(totals) for name, totals in run.batches.consumed.items()}
+    return record
 
 
 def check_grace(run: Run, step_s: float) -> str:
