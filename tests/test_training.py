@@ -162,8 +162,9 @@ def test_start_removes_only_unmapped_blocks_of_its_own_dataset(dataset, tmp_path
             path.unlink(missing_ok=True)
 
 
-def tiny_splits(root: Path, train_samples: int, val_samples: int, seed: int = 0) -> Path:
-    """A dataset with exactly these sample counts (block 64), from token files; another seed, other tokens."""
+def tiny_splits(root: Path, train_samples: int, val_samples: int, seed: int = 0, block_size: int = 64) -> Path:
+    """A dataset with exactly these sample counts (block 64 unless said), from token files; another seed, other
+    tokens."""
     import numpy as np
 
     from tokstream.options import ConversionOptions
@@ -174,10 +175,10 @@ def tiny_splits(root: Path, train_samples: int, val_samples: int, seed: int = 0)
     files = {}
     for split, samples in (("train", train_samples), ("val", val_samples)):
         path = root / f"{split}.bin"
-        ((np.arange(samples * 64 + 1) * 7919 + seed * 104729) % 50256).astype("<u2").tofile(path)
+        ((np.arange(samples * block_size + 1) * 7919 + seed * 104729) % 50256).astype("<u2").tofile(path)
         files[split] = [open_token_file(path)]
     convert_token_files(files, str(root / "ds"), Vocabulary.of(load_tokenizer("gpt2")),
-                        ConversionOptions(block_size=64, progress=False))
+                        ConversionOptions(block_size=block_size, progress=False))
     return root / "ds"
 
 

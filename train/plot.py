@@ -1,5 +1,6 @@
 """Plot loss curves from one or more runs' metrics.jsonl to a PNG: training loss, validation loss,
-and for a mixture each source's validation loss.
+and for a mixture each source's validation loss; over steps, with the tokens consumed on the top axis
+(the first run's) and each phase's start marked.
 
     python train/plot.py runs/gpt2-124m-owt --out loss.png
     python train/plot.py runs/a runs/b --out compare.png
@@ -8,6 +9,8 @@ and for a mixture each source's validation loss.
 import argparse
 import sys
 from pathlib import Path
+
+import numpy as np
 
 import matplotlib
 
@@ -29,8 +32,10 @@ def read_metrics(run_dir: str) -> list[dict]:
 def plot_runs(run_dirs: list[str], out: str) -> list[str]:
     """Write the PNG; returns the curves' labels, in drawing order."""
     figure, axis = plt.subplots(figsize=(8, 5))
-    for run_dir in run_dirs:
+    for index, run_dir in enumerate(run_dirs):
         records = read_metrics(run_dir)
+        if index == 0:
+            mark_tokens_and_phases(axis, records)
         name = Path(run_dir).name
         axis.plot([r["step"] for r in records], [r["loss"] for r in records], label=f"{name} train", lw=1)
         val = [r for r in records if "val_loss" in r]
@@ -48,6 +53,24 @@ def plot_runs(run_dirs: list[str], out: str) -> list[str]:
     figure.tight_layout()
     figure.savefig(out, dpi=120)
     return [line.get_label() for line in axis.get_lines()]
+
+
+def mark_tokens_and_phases(axis, records: list[dict]) -> None:
+    """A top axis of tokens consumed (which a batch ramp or a longer block makes uneven in steps), and a
+    dotted line where each phase after the first starts."""
+    counted = [r for r in records if "tokens" in r]
+    if len(counted) < 2:
+        return
+    steps = np.array([0] + [r["step"] for r in counted], dtype=float)
+    tokens = np.array([0] + [r["tokens"] for r in counted], dtype=float)
+    top = axis.secondary_xaxis("top", functions=(lambda x: np.interp(x, steps, tokens),
+                                                 lambda t: np.interp(t, tokens, steps)))
+    top.set_xlabel("tokens consumed")
+    for before, record in zip(counted, counted[1:]):
+        if record.get("phase", 0) != before.get("phase", 0):
+            axis.axvline(before["step"], color="gray", ls=":", lw=1)
+            axis.annotate(f"phase {record['phase']}", (before["step"], 1), xycoords=("data", "axes fraction"),
+                          xytext=(3, -12), textcoords="offset points", fontsize=8, color="gray")
 
 
 def main() -> None:

@@ -135,9 +135,15 @@ def check_phases(saved: dict, config: TrainConfig, step: int) -> list[str]:
             raise UserError(f"{then.name} has started (at step {then.start_step}; the checkpoint is at step {step}) "
                             f"but changed: {', '.join(differences)}; {keep}")
     later = len(started_old)
-    old_rest = {f"{p.index}.{k}": v for p in old[later:] for k, v in _phase_settings(p, RECIPE).items()}
-    new_rest = {f"{p.index}.{k}": v for p in new[later:] for k, v in _phase_settings(p, RECIPE).items()}
-    if old_rest == new_rest:
+    changes = []
+    for index in range(later, max(len(old), len(new))):
+        if index >= len(new):
+            changes.append(f"phases.{index} removed")
+        elif index >= len(old):
+            changes.append(f"phases.{index} added (from step {new[index].start_step})")
+        else:
+            changes += _differences(_phase_settings(old[index], RECIPE), _phase_settings(new[index], RECIPE),
+                                    old[index].name)
+    if not changes:
         return []
-    return [f"phases that start after step {step} changed (not started yet, so allowed): "
-            + ", ".join(_differences(old_rest, new_rest, "phases"))]
+    return [f"phases that start after step {step} changed (not started yet, so allowed): " + ", ".join(changes)]

@@ -1,0 +1,356 @@
+"""Phases (tokstream/train/phases.py): a recipe that changes during a run, each step's samples a function of
+the config and the step alone, resumed exactly across the boundaries; the relaunch policy for phases; tokens.
+
+In process, the trainer's loop over PhasedBatches (WORLD_SIZE 1) shows what a boundary does to each stream's
+order, as the README's "Phases" says it. Through torchrun, an interruption schedule across every kind of
+boundary is compared with an uninterrupted run, and configs/tiny-phases.yaml runs on the real corpora.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import ROOT, SHARED
+from test_training import launch, metrics, tiny_splits, train, wait_for
+
+from tokstream.errors import UserError
+from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
+from tokstream.testing.processes import kill_tree
+from tokstream.train.checkpoint_files import latest_step
+from tokstream.train.config import load_config
+from tokstream.train.phased_batches import PhasedBatches
+from tokstream.train.phases import Recipe, resolve_phases
+from tokstream.train.resume_policy import check_relaunch
+from tokstream.train.run_store import LocalRunStore
+from tokstream.train.schedule import learning_rate
+
+
+def refusal(call) -> str:
+    with pytest.raises(UserError) as caught:
+        call()
+    return str(caught.value)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, str]:
+    """a: 40 samples at block 64 (an epoch of 10 warm-up steps); b and c: block 128."""
+    root = tmp_path_factory.mktemp("phase-data")
+    made = {}
+    for name, samples, block, seed in (("a", 40, 64, 1), ("b", 24, 128, 2), ("c", 30, 128, 3)):
+        (root / name).mkdir()
+        made[name] = str(tiny_splits(root / name, samples, 8, seed=seed, block_size=block))
+    return made
+
+
+def phased(data: dict[str, str], *overrides: str):
+    """A run of five phases: a (batch 4), a (batch 8), b, a again, then a mixture of b and c."""
+    mixture = f"[{{remote: '{data['b']}', name: b, proportion: 0.5}}, {{remote: '{data['c']}', name: c, proportion: 0.5}}]"
+    return load_config(None, [
+        "micro_batch_size=2", "model.block_size=128", "max_steps=20",
+        f"phases=[{{start_step: 0, global_batch_size: 4, data: {{remote: '{data['a']}'}}}}, "
+        f"{{start_step: 6, global_batch_size: 8}}, {{start_step: 10, data: {{remote: '{data['b']}'}}}}, "
+        f"{{start_step: 12, data: {{remote: '{data['a']}'}}}}, {{start_step: 14, data: {{streams: {mixture}}}}}]",
+        *overrides])
+
+
+def read_steps(recipe: Recipe, batches: PhasedBatches, first: int, last: int) -> list[list[int]]:
+    """Steps first .. last - 1 as the trainer reads them: each its phase's accumulation of micro-batches."""
+    steps = []
+    for step in range(first, last):
+        phase = recipe.at(step)
+        batches.enter(phase)
+        ids = []
+        for _ in range(recipe.plan(phase).accumulation):
+            ids += next(batches)["ids"].tolist()
+        steps.append(ids)
+    return steps
+
+
+def stream(remote_or_streams: DataConfig, unit: int, samples: int) -> list[int]:
+    """The first `samples` of a data's stream, read alone in its unit."""
+    batches = TrainBatches(open_dataset(remote_or_streams), BatchPlan(unit, 2, 1))
+    ids = []
+    while len(ids) < samples:
+        ids += next(batches)["ids"].tolist()
+    batches.close()
+    return ids
+
+
+def test_phases_are_resolved_in_order_each_setting_from_the_phase_before(data):
+    phases = resolve_phases(phased(data))
+    assert [(p.start_step, p.global_batch_size) for p in phases] == [(0, 4), (6, 8), (10, 8), (12, 8), (14, 8)]
+    assert [p.data.remote for p in phases] == [data["a"], data["a"], data["b"], data["a"], ""]
+    assert [s.name for s in phases[4].data.streams] == ["b", "c"]
+    single = resolve_phases(load_config(None, [f"data.remote={data['a']}", "global_batch_size=16"]))
+    assert [(p.start_step, p.global_batch_size, p.data.remote) for p in single] == [(0, 16, data["a"])]
+    assert refusal(lambda: resolve_phases(phased(data, "phases.0.start_step=1"))) == (
+        "phases.0.start_step is 1: the first phase starts at step 0")
+    assert refusal(lambda: resolve_phases(phased(data, "phases.2.start_step=6"))) == (
+        "phases.2.start_step 6 is not after phases.1.start_step 6: list the phases in the order they start")
+
+
+def test_a_recipe_that_cannot_be_read_exactly_is_refused_at_start_in_one_line(data):
+    assert refusal(lambda: Recipe.open(phased(data, "phases.1.global_batch_size=6"), 1)) == (
+        "phases.1.global_batch_size 6 is not a multiple of 4, the global batch its data is read in (phases.0's, "
+        "the first phase to read it): use a multiple of 4, so that each step takes whole units of the data's order")
+    assert refusal(lambda: Recipe.open(phased(data, "micro_batch_size=4"), 2)) == (
+        "phases.0 reads its data in units of 4 samples (the global batch of the first phase to read it), which "
+        "micro_batch_size 4 x 2 ranks does not divide: lower micro_batch_size")
+    assert refusal(lambda: Recipe.open(phased(data, "model.block_size=256"), 1)) == (
+        "model.block_size is 256, but the largest block any phase reads is 128 (phases.2): set "
+        "model.block_size=128, the model is built once for it")
+    assert refusal(lambda: Recipe.open(phased(data, "phases.2.data.remote=/nowhere"), 1)).startswith(
+        "data.remote=/nowhere does not exist")  # a late phase's missing data is said at start
+
+
+def test_tokens_count_each_phases_batch_and_block(data):
+    recipe = Recipe.open(phased(data), 1)
+    assert [recipe.block_size(p) for p in recipe.phases] == [64, 64, 128, 64, 128]
+    assert recipe.tokens_before(0) == 0
+    assert recipe.tokens_before(6) == 6 * 4 * 64
+    assert recipe.tokens_before(11) == 6 * 4 * 64 + 4 * 8 * 64 + 1 * 8 * 128
+    assert recipe.tokens_before(20) == 6 * 4 * 64 + 4 * 8 * 64 + 2 * 8 * 128 + 2 * 8 * 64 + 6 * 8 * 128
+
+
+def test_a_boundary_keeps_each_streams_position_and_a_mixture_reads_its_own(data):
+    """The README's promise: data that continues keeps its position whatever the batch; data read again goes
+    on where it stopped; a mixture is its own stream from its start. And every step has its phase's batch."""
+    recipe = Recipe.open(phased(data), 1)
+    batches = PhasedBatches(recipe, pin_memory=False)
+    steps = read_steps(recipe, batches, 0, 20)
+    assert [len(ids) for ids in steps] == [4] * 6 + [8] * 14
+    a = stream(DataConfig(remote=data["a"]), 4, 72)
+    assert sum(steps[:10] + steps[12:14], []) == a  # phases 0, 1 and 3: one order, across an epoch end
+    assert sorted(a[:40]) == list(range(40))  # no sample again before the epoch ends, whatever the batch
+    assert sum(steps[10:12], []) == stream(DataConfig(remote=data["b"]), 8, 16)
+    mixture = recipe.dataset(recipe.phases[4]).config
+    assert sum(steps[14:], []) == stream(mixture, 8, 48)  # its b samples start over within it
+    batches.close()
+
+
+def test_each_sources_samples_and_tokens_are_counted_across_phases_and_carried_by_the_state(data):
+    recipe = Recipe.open(phased(data), 1)
+    batches = PhasedBatches(recipe, pin_memory=False)
+    read_steps(recipe, batches, 0, 13)
+    for step in range(13):
+        phase = recipe.at(step)
+        batches.count(phase, [recipe.plan(phase).global_batch_size])  # a single source: every sample
+    state = batches.state_dict()
+    batches.close()
+    # a and b are both called "ds" (their folders' name): what the run counts is per name, in one total
+    a_samples, b_samples = 6 * 4 + 4 * 8 + 1 * 8, 2 * 8
+    assert state["consumed"] == {"ds": {"samples": a_samples + b_samples, "tokens": a_samples * 64 + b_samples * 128}}
+    resumed = PhasedBatches(recipe, pin_memory=False)
+    resumed.load_state_dict(state)
+    assert resumed.consumed == state["consumed"]
+    again = PhasedBatches(recipe, pin_memory=False)
+    assert read_steps(recipe, resumed, 13, 20) == read_steps(recipe, again, 0, 20)[13:]
+    resumed.close()
+    again.close()
+
+
+def test_the_schedule_in_tokens_is_not_stretched_by_a_batch_ramp(data):
+    def rates(config) -> dict[tuple[int, int], float]:
+        """The learning rate of each step, by the tokens trained before it and after it."""
+        recipe, by_tokens = Recipe.open(config, 1), {}
+        for step in range(20):
+            before = recipe.tokens_before(step)
+            step_tokens = recipe.plan(recipe.at(step)).global_batch_size * recipe.block_size(recipe.at(step))
+            by_tokens[before, before + step_tokens] = learning_rate(step, config, before, step_tokens)
+        return by_tokens
+
+    ramp = rates(phased(data, "optim.warmup_tokens=2048", "optim.decay_tokens=40000"))
+    flat = rates(phased(data, "phases.0.global_batch_size=8", "optim.warmup_tokens=2048", "optim.decay_tokens=40000"))
+    # A function of tokens alone: in the warm-up of the tokens at the step's end (so the first is not 0), then
+    # of those before it.
+    warming = {after: rate for (before, after), rate in ramp.items() if before < 2048}, {
+        after: rate for (before, after), rate in flat.items() if before < 2048}
+    decaying = {before: rate for (before, after), rate in ramp.items() if before >= 2048}, {
+        before: rate for (before, after), rate in flat.items() if before >= 2048}
+    for ramped, unramped in (warming, decaying):
+        shared = ramped.keys() & unramped.keys()
+        assert len(shared) >= 2 and all(ramped[t] == unramped[t] for t in shared)
+    assert ramp[0, 256] == 6e-4 * 256 / 2048  # the first step's 256 tokens of the 2,048 of warm-up
+    assert len(warming[0]) == 7 and len(warming[1]) == 4  # the ramp's smaller steps: more of them warm up
+    assert refusal(lambda: learning_rate(0, phased(data, "optim.warmup_tokens=2048"))) == (
+        "optim.warmup_tokens is set but not optim.decay_tokens: a schedule in tokens needs both (the run's start-up "
+        "line gives its total tokens)")
+
+
+def test_phases_not_started_may_change_a_started_one_may_not(data):
+    saved = phased(data).to_dict()
+    assert check_relaunch(saved, phased(data), step=12) == []
+    assert check_relaunch(saved, phased(data, "phases.4.start_step=16", "phases.3.global_batch_size=16"), step=12) == [
+        "phases that start after step 12 changed (not started yet, so allowed): phases.3.global_batch_size 8 -> 16, "
+        "phases.4.global_batch_size 8 -> 16, phases.4.start_step 14 -> 16"]
+    # a phase beginning at the checkpoint's step has not started: the state saved there is the phase before's
+    assert check_relaunch(saved, phased(data, "phases.3.data.remote=" + data["b"]), step=12) == [
+        f"phases that start after step 12 changed (not started yet, so allowed): phases.3.data.remote "
+        f"'{data['a']}' -> '{data['b']}'"]
+    assert refusal(lambda: check_relaunch(saved, phased(data, "phases.2.global_batch_size=16"), step=12)) == (
+        "phases.2 has started (at step 10; the checkpoint is at step 12) but changed: phases.2.global_batch_size "
+        "8 -> 16; a phase that has started or ended keeps its recipe; edit only phases that start after step 12, "
+        "or use a new run_dir")
+    assert refusal(lambda: check_relaunch(saved, phased(data, "phases.1.start_step=7"), step=12)).startswith(
+        "phases.1 has started (at step 6; the checkpoint is at step 12) but changed: phases.1.start_step 6 -> 7;")
+    assert refusal(lambda: check_relaunch(saved, phased(data, "phases.3.start_step=11"), step=12)).startswith(
+        "phases.3 would start at step 11, before the checkpoint's step 12: those steps were trained in phases.2;")
+    # where a started phase's data lives may change (its identity is checked against the checkpoint's)
+    moved = phased(data, "phases.0.data.remote=/elsewhere/a", "phases.0.data.local=/cache/a")
+    assert check_relaunch(saved, moved, step=12) == []
+    # a run without phases may be extended by phases that start later
+    plain = load_config(None, [f"data.remote={data['a']}", "global_batch_size=4", "micro_batch_size=2"]).to_dict()
+    extended = load_config(None, [f"data.remote={data['a']}", "global_batch_size=4", "micro_batch_size=2",
+                                  "phases=[{start_step: 0}, {start_step: 30, global_batch_size: 8}]"])
+    assert check_relaunch(plain, extended, step=20) == [
+        "phases that start after step 20 changed (not started yet, so allowed): phases.1 added (from step 30)"]
+
+
+class Output(threading.Thread):
+    """A launch's output, read as it comes, so a test can wait for a line."""
+
+    def __init__(self, process: subprocess.Popen):
+        super().__init__(daemon=True)
+        self.process, self.text = process, ""
+        self.start()
+
+    def run(self) -> None:
+        for line in self.process.stdout:
+            self.text += line
+
+    def wait_for(self, condition) -> None:
+        def met() -> bool:
+            if self.process.poll() is not None:
+                raise AssertionError(f"the launch ended (status {self.process.returncode}) first:\n{self.text[-4000:]}")
+            return condition(self.text)
+        wait_for(met)
+
+    def finish(self) -> str:
+        self.process.wait(timeout=180)
+        self.join(timeout=10)
+        return self.text
+
+
+SCHEDULE_STEPS = 16
+
+
+def schedule_phases(data: dict[str, str]) -> list[str]:
+    """a at batch 4 (steps 1-4), a at 8 (5-8), b at block 128 (9-12), a mixture of b and c at batch 16 (13-16)."""
+    mixture = f"[{{remote: '{data['b']}', name: b, proportion: 0.5}}, {{remote: '{data['c']}', name: c, proportion: 0.5}}]"
+    return [f"max_steps={SCHEDULE_STEPS}", f"optim.decay_steps={SCHEDULE_STEPS}", "model.block_size=128",
+            "checkpoint_interval=4", "eval_interval=0", "eval_batches=100000",
+            f"phases=[{{start_step: 0, global_batch_size: 4, data: {{remote: '{data['a']}'}}}}, "
+            f"{{start_step: 4, global_batch_size: 8}}, {{start_step: 8, data: {{remote: '{data['b']}'}}}}, "
+            f"{{start_step: 12, global_batch_size: 16, data: {{streams: {mixture}}}}}]"]
+
+
+@pytest.mark.long
+def test_an_interruption_at_every_kind_of_boundary_resumes_exactly(tmp_path):
+    """Against an uninterrupted run on 2 ranks x 2: SIGTERM on the last step of a phase (4), on the first step
+    of the next (5), SIGKILL just after a boundary's checkpoint (8, where data and block change), SIGTERM on the
+    last step before the mixture (12), all on the reference's settings: every step's samples per rank, tokens,
+    per-source counts, learning rate and loss bitwise. Then a relaunch on 1 rank x 4 that lands in the mixture's
+    batch of 16, and one with micro_batch_size 1: the same samples, losses to float rounding (the gradients are
+    summed in another order from there)."""
+    data = {}
+    for name, samples, val, block, seed in (("a", 40, 4000, 64, 1), ("b", 24, 2000, 128, 2), ("c", 30, 8, 128, 3)):
+        (tmp_path / name).mkdir()
+        data[name] = str(tiny_splits(tmp_path / name, samples, val, seed=seed, block_size=block))
+    common = schedule_phases(data)
+    train(2, None, tmp_path / "reference", *common, "micro_batch_size=2")
+    reference = metrics(tmp_path / "reference")
+    run_dir = tmp_path / "interrupted"
+    store = LocalRunStore(str(run_dir))
+
+    def relaunch(ranks: int, micro: int, *extra: str) -> Output:
+        return Output(launch(ranks, None, run_dir, *common, f"micro_batch_size={micro}", *extra))
+
+    def at_step(output: Output, step: int) -> None:
+        """SIGTERM while step `step` trains or is evaluated (the notice is taken after it either way): once this
+        launch has begun its loop and trained the step before, with a long evaluation of `step` to land in."""
+        output.wait_for(lambda text: "M parameters" in text and len(metrics(run_dir)) >= step - 1)
+        time.sleep(0.3)  # into step `step`, whose evaluation takes seconds
+        output.process.send_signal(signal.SIGTERM)
+        text = output.finish()
+        assert latest_step(store) == step, text[-3000:]
+
+    at_step(relaunch(2, 2, "eval_interval=4"), 4)  # the last step of phases.0
+    at_step(relaunch(2, 2, "eval_interval=5"), 5)  # the first of phases.1, resumed at its boundary
+    killed = relaunch(2, 2)
+    killed.wait_for(lambda text: (latest_step(store) or 0) >= 8)  # the checkpoint before phases.2's new data
+    kill_tree(killed.process.pid)
+    killed.finish()
+    assert latest_step(store) == 8
+    resumed = relaunch(2, 2, "eval_interval=12")
+    at_step(resumed, 12)  # the last step before the mixture
+    assert "phases.2 from step 8: global batch 8 (accumulation 2), block 128" in resumed.text
+    other_world = relaunch(1, 4)
+    other_world.wait_for(lambda text: len(metrics(run_dir)) >= 13)
+    other_world.process.send_signal(signal.SIGTERM)
+    text = other_world.finish()
+    assert "relaunch: resuming a 2-rank run on 1 ranks" in text
+    assert "phases.3 from step 12: global batch 16 (accumulation 4), block 128, a mixture of b, c" in text
+    stopped = latest_step(store)
+    assert 13 <= stopped < SCHEDULE_STEPS, text[-3000:]
+    last = Output(launch(2, None, run_dir, *common, "micro_batch_size=1")).finish()
+    assert f"resumed from {run_dir}/ckpt-{stopped:08d}.pt" in last
+
+    interrupted = metrics(run_dir)
+    assert [m["step"] for m in interrupted] == [m["step"] for m in reference] == list(range(1, 17))
+    assert [m["phase"] for m in reference] == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert [len(sum(m["samples"], [])) for m in reference] == [4] * 4 + [8] * 8 + [16] * 4
+    for got, want in zip(interrupted, reference):
+        where = f"step {got['step']}"
+        for key in ("phase", "tokens", "consumed", "lr"):
+            assert got[key] == want[key], where
+        assert got.get("samples_per_source") == want.get("samples_per_source"), where
+        assert sorted(sum(got["samples"], [])) == sorted(sum(want["samples"], [])), where
+        if len(got["samples"]) == 2:
+            assert got["samples"] == want["samples"], where
+        if got["step"] <= 12:
+            assert got["loss"] == want["loss"], where
+        else:
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), where
+    assert reference[-1]["tokens"] == 4 * 4 * 64 + 4 * 8 * 64 + 4 * 8 * 128 + 4 * 16 * 128
+    assert reference[-1]["consumed"]["ds"] == {"samples": 16 + 32 + 32, "tokens": 48 * 64 + 32 * 128}
+    assert reference[-1]["consumed"]["b"]["samples"] + reference[-1]["consumed"]["c"]["samples"] == 64
+
+
+def test_the_phases_example_config_runs_on_the_real_corpora(tmp_path):
+    """configs/tiny-phases.yaml (a batch warm-up, twice the block, an annealing mixture), its data converted from
+    ../shared as its header says, through torchrun on 2 ranks; then its loss curve, with tokens and phases."""
+    corpora = SHARED / "corpora"
+    for corpus, doc_per, block, out in (("tinyshakespeare.txt", "paragraph", 64, "data"),
+                                        ("tinyshakespeare.txt", "paragraph", 128, "plays-128"),
+                                        ("wikitext2_valid.txt", "line", 128, "wiki-128")):
+        subprocess.run([sys.executable, "convert/text_to_mds.py", str(corpora / corpus), "--doc-per", doc_per,
+                        "--val-fraction", "0.05", "--block-size", str(block), "--out", str(tmp_path / out)],
+                       cwd=ROOT, check=True, capture_output=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train/main.py",
+               "configs/tiny-phases.yaml", f"run_dir={tmp_path / 'run'}", f"phases.0.data.remote={tmp_path / 'data'}",
+               f"phases.2.data.remote={tmp_path / 'plays-128'}",
+               f"phases.3.data.streams.0.remote={tmp_path / 'plays-128'}",
+               f"phases.3.data.streams.1.remote={tmp_path / 'wiki-128'}"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for line in ("phases.1 from step 10: global batch 8 (accumulation 2), block 64",
+                 "phases.2 from step 20: global batch 8 (accumulation 2), block 128",
+                 "phases.3 from step 30: global batch 8 (accumulation 2), block 128, a mixture of plays, wiki",
+                 "28,160 tokens in 40 steps", "step 40 tokens 28,160 loss"):
+        assert line in done.stdout, line
+    records = metrics(tmp_path / "run")
+    assert [r["tokens"] for r in records][9:11] == [2560, 3072]  # 10 steps of 4 x 64, then 8 x 64
+    assert records[-1]["lr"] == pytest.approx(3e-4, rel=0.05)  # decayed over the 28,160 tokens
+    consumed = records[-1]["consumed"]
+    assert set(consumed) == {"data", "plays-128", "plays", "wiki"}
+    assert sum(c["tokens"] for c in consumed.values()) == 28160
+    assert all(r["val_loss"] == r["val_loss"] for r in records if "val_loss" in r)  # evaluated, finite
+    from train.plot import plot_runs
+
+    labels = plot_runs([str(tmp_path / "run")], str(tmp_path / "loss.png"))
+    assert (tmp_path / "loss.png").stat().st_size > 10_000 and "run train" in labels
