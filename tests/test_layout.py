@@ -15,7 +15,7 @@ FENCE = DOOR / "streaming_internals.py"
 STREAMING_PRIVATE_NAMES = {
     "_ShardState", "_shard_states", "_shard_access_times", "_cache_filelock", "_cache_filelock_path",
     "_evict_coldest_shard", "_event", "_shared_barrier", "_shm_prefix_int",
-    "_pack_locals", "_unpack_locals", "_get_path", "_check_self", "_check_and_find_retrying",
+    "_pack_locals", "_unpack_locals", "_get_path", "_check_self",
     "_prepare_thread", "_ready_thread", "_each_sample_id", "_share_work",
 }
 # torch's, not streaming's: the DataLoader iterator's own shutdown (token_loader.py, at exit).

@@ -354,3 +354,34 @@ def test_the_phases_example_config_runs_on_the_real_corpora(tmp_path):
 
     labels = plot_runs([str(tmp_path / "run")], str(tmp_path / "loss.png"))
     assert (tmp_path / "loss.png").stat().st_size > 10_000 and "run train" in labels
+
+
+def test_a_reader_state_from_before_phases_resumes_as_the_first_phases_stream(data):
+    """A checkpoint written before phases holds one TrainBatches state as its `loader`."""
+    config = load_config(None, [f"data.remote={data['a']}", "global_batch_size=4", "micro_batch_size=2",
+                                "model.block_size=64"])
+    recipe = Recipe.open(config, 1)
+    old = TrainBatches(recipe.dataset(recipe.phases[0]), BatchPlan(4, 2, 1))
+    for _ in range(6):
+        next(old)
+    state = old.state_dict()
+    old.close()
+    resumed = PhasedBatches(recipe, pin_memory=False)
+    resumed.load_state_dict(state)
+    whole = stream(config.data, 4, 32)
+    assert read_steps(recipe, resumed, 3, 8) == [whole[at:at + 4] for at in range(12, 32, 4)]  # 6 micro-batches in
+    resumed.close()
+
+
+def test_the_gpu_phases_config_counts_the_tokens_its_header_says(tmp_path):
+    """configs/gpt2-124m-shared-phases.yaml (bench/README.md's GPU run), on stand-in datasets of its two blocks."""
+    roots = {}
+    for block in (1024, 2048):
+        (tmp_path / str(block)).mkdir()
+        roots[block] = tiny_splits(tmp_path / str(block), 24, 24, block_size=block)
+    config = load_config(str(ROOT / "configs/gpt2-124m-shared-phases.yaml"),
+                         [f"data.remote={roots[1024]}", f"phases.2.data.remote={roots[2048]}"])
+    recipe = Recipe.open(config, 1)
+    assert [(p.start_step, p.global_batch_size, recipe.block_size(p)) for p in recipe.phases] == [
+        (0, 12, 1024), (30, 24, 1024), (200, 12, 2048)]
+    assert recipe.tokens_before(config.max_steps) == config.optim.decay_tokens == 7_004_160

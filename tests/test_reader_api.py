@@ -152,3 +152,44 @@ def test_a_cache_limit_streaming_refuses_is_said_in_one_line(tmp_path):
     message = refusal(lambda: TrainBatches(open_dataset(DataConfig(remote=str(root), local=str(tmp_path / "cache"),
                                                                     cache_limit="1kb")), BatchPlan(8, 4, 1)))
     assert message.startswith("data (train): ") and "\n" not in message, message
+
+
+def test_a_closed_reader_gives_back_its_shared_memory_and_its_s3_data_opens_again(proxy, tmp_path):
+    """Stock streaming keeps a dataset's shared-memory blocks (and 12 file descriptors) until the process exits,
+    so a process that opens many readers (a run whose phases change data, a test process) ran out of file
+    descriptors. close() gives them back, as does a reader that is dropped; the same S3 data then opens again
+    in the same order."""
+    import gc
+    import os
+    from conftest import BUCKET
+    from test_interruptions import upload
+
+    from tokstream.reader.stale_shm import SHM_DIR
+
+    root = tiny_splits(tmp_path, 40, 8)
+    dataset = open_dataset(DataConfig(remote=upload(root, f"s3://{BUCKET}/reopened"), local=str(tmp_path / "cache")))
+
+    def open_files() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def blocks() -> set[str]:
+        return {path.name for path in SHM_DIR.iterdir()}
+
+    seen, counts = None, []
+    for round_ in range(4):
+        batches = TrainBatches(dataset, BatchPlan(4, 2, 1))
+        first = next(batches)["ids"].tolist()
+        assert seen is None or first == seen  # the same order each time: the same data, opened again
+        seen = first
+        mine = blocks() - before if round_ else set()
+        if round_ == 3:
+            del batches  # dropped, not closed
+            gc.collect()
+        else:
+            batches.close()
+        counts.append(open_files())
+        if round_ == 0:
+            before = blocks()
+        else:
+            assert mine and not mine & blocks(), mine & blocks()  # this reader's blocks are gone from /dev/shm
+    assert max(counts[1:]) <= counts[0]  # no descriptor kept per reader (stock kept 12 each)

@@ -79,6 +79,8 @@ class TrainBatches:
 
     def state_dict(self) -> dict:
         """Where the next micro-batch is, for every rank (rank 0's is enough to save), and what it is of."""
+        if self._closed:
+            return self._closed_state
         return {**self._identity, "position": self.loader.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -95,9 +97,14 @@ class TrainBatches:
         self.loader.load_state_dict(state["position"])
 
     def close(self) -> None:
-        """End the epoch's iterator: its DataLoader workers exit and its shared ring is unmapped."""
+        """End the epoch's iterator: its DataLoader workers exit, its shared ring is unmapped and its shared
+        memory released; state_dict() still says where it stopped."""
+        if self._closed:
+            return
+        self._closed_state = self.state_dict()
         self._closed = True
         self._batches.close()
+        self.loader.dataset.release_shared_memory()
 
 
 def _source_of(first_sample_of_source: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:

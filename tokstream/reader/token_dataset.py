@@ -86,7 +86,18 @@ class TokenDataset(internals.WindowedDownloadAhead):
         self._sample_format: tuple[np.dtype, int] | None = None
         # Lets a relaunch tell this prefix's shared memory from a killed run's (stale_shm.py). Released when
         # the dataset goes, or at exit before modules are torn down (a __del__ then could not unlink).
-        weakref.finalize(self, release_owner, record_owner(internals.shm_prefix(self)), os.getpid())
+        self._release_owner = weakref.finalize(self, release_owner, record_owner(internals.shm_prefix(self)),
+                                               os.getpid())
+        # Its shared memory: stock keeps it until exit (streaming_internals.release_shared_memory).
+        self._owner_pid = os.getpid()
+        self._release_blocks = weakref.finalize(self, internals.release_shared_memory,
+                                                internals.shared_memory_blocks(self), self._owner_pid)
+
+    def release_shared_memory(self) -> None:
+        """Give up its shared memory now (TrainBatches.close): nothing can be read from it afterwards."""
+        internals.release_shared_memory(internals.shared_memory_blocks(self), self._owner_pid)
+        self._release_blocks()
+        self._release_owner()
 
     def samples_per_item(self) -> int:
         in_worker = get_worker_info() is not None

@@ -133,6 +133,8 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
         checkpointer.restore(saved)
         if dist.master:
             print(f"resumed from {checkpoint_url} at step {progress.step}")
+        if "streams" not in saved["loader"]:
+            count_before_phases(batches, recipe, progress.step, dist.master)
     if in_store and dist.master:
         metrics.replace(store.read_bytes(METRICS_FILE) or b"")
         print(f"metrics: {metrics.path} (a copy goes to {store.url} with each checkpoint)")
@@ -145,13 +147,23 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
     return run
 
 
+def count_before_phases(batches: PhasedBatches, recipe: Recipe, step: int, master: bool) -> None:
+    """A checkpoint from before phases counted no samples per source: a single dataset's are its steps'; a
+    mixture's are counted from here on."""
+    first = recipe.phases[0]
+    if len(recipe.dataset(first).source_names) == 1:
+        batches.count(first, [first.global_batch_size * step])
+    elif master:
+        print(f"per-source counts (consumed) start at step {step}: the checkpoint was written before they were kept")
+
+
 def enter_phase(run: Run, step: int) -> str | None:
-    """Train step `step` in its phase: a phase that reads other data opens its stream and its evaluation
-    data; the phase's line when it is not the one being trained (with phases)."""
+    """Train step `step` in its phase: a phase that reads other data opens its stream (PhasedBatches) and its
+    evaluation data; the phase's line when it is not the one being trained (with phases)."""
     phase = run.recipe.at(step)
     if phase == run.phase:
         return None
-    if run.phase is None or run.recipe.stream(phase) != run.recipe.stream(run.phase):
+    if run.phase is None or phase.data != run.phase.data:
         run.val_loaders = None
         gc.collect()  # the old evaluation data's StreamingDatasets go before the new ones register
         run.batches.enter(phase)

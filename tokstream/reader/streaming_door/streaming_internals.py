@@ -28,13 +28,17 @@ streaming does not promise to keep:
   replaced (`install_spanner`) by lean_spanner.py's subclass, the same fields built without an
   array of every sample;
 - `streaming.base.dataset.get_shm_prefix`, which numbers a dataset's shared-memory blocks:
-  replaced (`install_prefix_registration`) by prefix_registration.py's, which builds on stock's
-  scan (`_check_and_find_retrying`, `_check_self`) and block layout (`_get_path`, `_pack_locals`).
+  replaced (`install_prefix_registration`) by prefix_registration.py's, which repeats stock's scan
+  (`first_free_prefix`: `_check_self`, then /dev/shm read by name) on its block layout (`_get_path`,
+  `_pack_locals`);
+- the SharedMemory blocks a dataset holds, which stock keeps until exit through atexit: released when
+  the dataset closes or goes (`shared_memory_blocks`, `release_shared_memory`).
 
 To move to a new streaming version: read those names in its source, run the fast-reader and
 training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
 """
 
+import atexit
 import importlib.metadata
 import os
 import shutil
@@ -43,6 +47,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from tempfile import gettempdir
 
 import numpy as np
 from filelock import FileLock, Timeout
@@ -59,7 +64,7 @@ from streaming.base.dataset import _ShardState
 from streaming.base.partition import get_partitions  # noqa: F401  (epoch_order.py)
 from streaming.base.sampling import get_sampling as stock_get_sampling  # noqa: F401  (epoch_order.py)
 from streaming.base.shared import SharedMemory
-from streaming.base.shared.prefix import _check_and_find_retrying, _check_self, _get_path, _pack_locals, _unpack_locals
+from streaming.base.shared.prefix import _check_self, _get_path, _pack_locals, _unpack_locals
 from streaming.base.shared.prefix import get_shm_prefix as stock_get_shm_prefix  # noqa: F401  (prefix_registration.py)
 from streaming.base.shuffle import get_shuffle  # noqa: F401  (epoch_order.py, tests)
 from streaming.base.shuffle.py1e import get_shuffle_py1e as stock_get_shuffle_py1e  # noqa: F401  (tests)
@@ -127,11 +132,81 @@ def install_prefix_registration(get_shm_prefix) -> None:
     streaming_dataset_module.get_shm_prefix = get_shm_prefix  # the name StreamingDataset.__init__ calls
 
 
+# Where POSIX shared memory blocks are files (Linux).
+SHM_DIR = Path("/dev/shm")
+
+
 def first_free_prefix(streams_local: list[str], streams_remote: list[str | None], retry: int) -> int:
-    """Stock's scan: the lowest prefix no block or lock file uses; raises if a running dataset uses one of
-    our cache directories (with a remote), as stock does. Checks our own directories for duplicates first."""
+    """Stock's scan (streaming.base.shared.prefix's, retrying): the lowest prefix no block or lock file uses;
+    raises if a running dataset uses one of our cache directories (with a remote), as stock does, after
+    `retry` ticks. Checks our own directories for duplicates first.
+
+    Stock attaches to every block it passes with a SharedMemory whose cleanup it registers with atexit: two
+    file descriptors per block, kept until the process exits. Each dataset made then scans past all others'
+    blocks on the node, so a process that makes many (a test process) ran out of descriptors, quadratically.
+    Here the blocks are looked up by name in /dev/shm, and a locals block is read as a file."""
     _check_self(streams_local)
-    return max(_check_and_find_retrying(streams_local, streams_remote, name, retry) for name in SHM_TO_CLEAN)
+    for attempt in range(1 + retry):
+        try:
+            return max(_free_prefix(streams_local, streams_remote, name) for name in SHM_TO_CLEAN)
+        except ValueError:
+            if attempt == retry:
+                raise
+            time.sleep(TICK)
+
+
+def _free_prefix(streams_local: list[str], streams_remote: list[str | None], block: str) -> int:
+    """Stock's scan for one kind of block, step for step, without attaching to the blocks."""
+    prefix = 0
+    while True:
+        locks = (Path(gettempdir(), _get_path(prefix, lock)) for lock in (BARRIER_FILELOCK, CACHE_FILELOCK))
+        try:
+            if any(lock.exists() for lock in locks):
+                prefix += 1
+                continue
+            path = SHM_DIR / _get_path(prefix, block).lstrip("/")
+            data = path.read_bytes() if block == LOCALS else path.stat()
+        except PermissionError:
+            prefix += 1
+            continue
+        except FileNotFoundError:
+            return prefix
+        if block == LOCALS and any(streams_remote):
+            theirs = locals_of_block(data)
+            if any(local in theirs and remote is not None for local, remote in zip(streams_local, streams_remote)):
+                raise ValueError(f"Reused local directory: {streams_local} vs {theirs}. Provide a different one.")
+        prefix += 1
+
+
+def shared_memory_blocks(dataset: StreamingDataset) -> list[SharedMemory]:
+    """The shared-memory blocks a dataset holds (its prefix's locals, barrier, epoch, cache and shard
+    arrays, resume state), found among its attributes and theirs."""
+    found: list[SharedMemory] = []
+
+    def walk(value: object, depth: int) -> None:
+        if isinstance(value, SharedMemory):
+            found.append(value)
+        elif depth and hasattr(value, "__dict__") and not isinstance(value, type):
+            for item in vars(value).values():
+                walk(item, depth - 1)
+    for value in vars(dataset).values():
+        walk(value, 2)
+    return found
+
+
+def release_shared_memory(blocks: list[SharedMemory], owner_pid: int) -> None:
+    """What stock does for each block at exit, now: unlink the blocks this process created (a node's first
+    rank), close the ones it attached to, and drop their atexit cleanup, which kept them (two file
+    descriptors each, and their names in /dev/shm) until exit. Only in the process that made the dataset: a
+    DataLoader worker's forked copy leaves the rank's blocks alone."""
+    if os.getpid() != owner_pid:
+        return
+    for block in blocks:
+        if getattr(block, "tokstream_released", False):
+            continue
+        block.tokstream_released = True
+        atexit.unregister(block.cleanup)
+        block.cleanup()
 
 
 def locals_block_name(prefix: int) -> str:
