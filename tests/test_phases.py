@@ -97,14 +97,21 @@ def test_a_recipe_that_cannot_be_read_exactly_is_refused_at_start_in_one_line(da
     assert refusal(lambda: Recipe.open(phased(data, "phases.1.global_batch_size=6"), 1)) == (
         "phases.1.global_batch_size 6 is not a multiple of 4, the global batch its data is read in (phases.0's, "
         "the first phase to read it): use a multiple of 4, so that each step takes whole units of the data's order")
-    assert refusal(lambda: Recipe.open(phased(data, "micro_batch_size=4"), 2)) == (
+    wide = Recipe.open(phased(data, "micro_batch_size=4"), 2)
+    assert refusal(lambda: wide.check_plans(0)) == (
         "phases.0 reads its data in units of 4 samples (the global batch of the first phase to read it), which "
         "micro_batch_size 4 x 2 ranks does not divide: lower micro_batch_size")
+    assert refusal(lambda: wide.check_plans(13)).startswith("phases.3 reads its data in units of 4")  # a, again
+    wide.check_plans(14)  # only the mixture is read from step 14: a's warm-up unit binds no more
+    assert refusal(lambda: resolve_phases(phased(data, "phases.1.start_step=null"))) == (
+        "phases.1.start_step must be a step (a whole number from 0), got None")
+    assert refusal(lambda: resolve_phases(phased(data, "phases.1.global_batch_size=0"))) == (
+        "phases.1.global_batch_size must be a positive whole number, got 0")
     assert refusal(lambda: Recipe.open(phased(data, "model.block_size=256"), 1)) == (
         "model.block_size is 256, but the largest block any phase reads is 128 (phases.2): set "
         "model.block_size=128, the model is built once for it")
     assert refusal(lambda: Recipe.open(phased(data, "phases.2.data.remote=/nowhere"), 1)).startswith(
-        "data.remote=/nowhere does not exist")  # a late phase's missing data is said at start
+        "phases.2: data.remote=/nowhere does not exist")  # a late phase's missing data is said at start
 
 
 def test_tokens_count_each_phases_batch_and_block(data):
@@ -141,12 +148,14 @@ def test_each_sources_samples_and_tokens_are_counted_across_phases_and_carried_b
         batches.count(phase, [recipe.plan(phase).global_batch_size])  # a single source: every sample
     state = batches.state_dict()
     batches.close()
-    # a and b are both called "ds" (their folders' name): what the run counts is per name, in one total
+    # a and b are both called "ds" (their folders' name): counted apart, per dataset, their identity told
+    a, b = (recipe.dataset(recipe.phases[index]).source_identities[0] for index in (0, 2))
     a_samples, b_samples = 6 * 4 + 4 * 8 + 1 * 8, 2 * 8
-    assert state["consumed"] == {"ds": {"samples": a_samples + b_samples, "tokens": a_samples * 64 + b_samples * 128}}
+    assert batches.consumed_by_name() == {f"ds ({a[:8]})": {"samples": a_samples, "tokens": a_samples * 64},
+                                          f"ds ({b[:8]})": {"samples": b_samples, "tokens": b_samples * 128}}
     resumed = PhasedBatches(recipe, pin_memory=False)
     resumed.load_state_dict(state)
-    assert resumed.consumed == state["consumed"]
+    assert resumed.consumed_by_name() == batches.consumed_by_name()
     again = PhasedBatches(recipe, pin_memory=False)
     assert read_steps(recipe, resumed, 13, 20) == read_steps(recipe, again, 0, 20)[13:]
     resumed.close()
@@ -179,6 +188,8 @@ def test_the_schedule_in_tokens_is_not_stretched_by_a_batch_ramp(data):
     assert refusal(lambda: learning_rate(0, phased(data, "optim.warmup_tokens=2048"))) == (
         "optim.warmup_tokens is set but not optim.decay_tokens: a schedule in tokens needs both (the run's start-up "
         "line gives its total tokens)")
+    assert refusal(lambda: learning_rate(0, phased(data, "optim.warmup_tokens=2048", "optim.decay_tokens=1024"))) == (
+        "optim.warmup_tokens 2048 and optim.decay_tokens 1024: the warm-up must end (from 0) before the decay does")
 
 
 def test_phases_not_started_may_change_a_started_one_may_not(data):
@@ -235,27 +246,29 @@ class Output(threading.Thread):
         return self.text
 
 
-SCHEDULE_STEPS = 16
+SCHEDULE_STEPS = 20
 
 
 def schedule_phases(data: dict[str, str]) -> list[str]:
-    """a at batch 4 (steps 1-4), a at 8 (5-8), b at block 128 (9-12), a mixture of b and c at batch 16 (13-16)."""
+    """a at batch 4 (steps 1-4), a at 8 (5-8), b at block 128 (9-12), a mixture of b and c at batch 16 (13-16),
+    a again (17-20)."""
     mixture = f"[{{remote: '{data['b']}', name: b, proportion: 0.5}}, {{remote: '{data['c']}', name: c, proportion: 0.5}}]"
     return [f"max_steps={SCHEDULE_STEPS}", f"optim.decay_steps={SCHEDULE_STEPS}", "model.block_size=128",
             "checkpoint_interval=4", "eval_interval=0", "eval_batches=100000",
             f"phases=[{{start_step: 0, global_batch_size: 4, data: {{remote: '{data['a']}'}}}}, "
             f"{{start_step: 4, global_batch_size: 8}}, {{start_step: 8, data: {{remote: '{data['b']}'}}}}, "
-            f"{{start_step: 12, global_batch_size: 16, data: {{streams: {mixture}}}}}]"]
+            f"{{start_step: 12, global_batch_size: 16, data: {{streams: {mixture}}}}}, "
+            f"{{start_step: 16, global_batch_size: 8, data: {{remote: '{data['a']}'}}}}]"]
 
 
 @pytest.mark.long
 def test_an_interruption_at_every_kind_of_boundary_resumes_exactly(tmp_path):
     """Against an uninterrupted run on 2 ranks x 2: SIGTERM on the last step of a phase (4), on the first step
     of the next (5), SIGKILL just after a boundary's checkpoint (8, where data and block change), SIGTERM on the
-    last step before the mixture (12), all on the reference's settings: every step's samples per rank, tokens,
-    per-source counts, learning rate and loss bitwise. Then a relaunch on 1 rank x 4 that lands in the mixture's
-    batch of 16, and one with micro_batch_size 1: the same samples, losses to float rounding (the gradients are
-    summed in another order from there)."""
+    last step before the mixture (12, with DataLoader workers), all on the reference's settings: every step's
+    samples per rank, tokens, per-source counts, learning rate and loss bitwise. Then a relaunch on 1 rank x 4
+    that lands in the mixture's batch of 16, and one with micro_batch_size 1 that returns to the first data: the
+    same samples, losses to float rounding (the gradients are summed in another order from there)."""
     data = {}
     for name, samples, val, block, seed in (("a", 40, 4000, 64, 1), ("b", 24, 2000, 128, 2), ("c", 30, 8, 128, 3)):
         (tmp_path / name).mkdir()
@@ -285,7 +298,7 @@ def test_an_interruption_at_every_kind_of_boundary_resumes_exactly(tmp_path):
     kill_tree(killed.process.pid)
     killed.finish()
     assert latest_step(store) == 8
-    resumed = relaunch(2, 2, "eval_interval=12")
+    resumed = relaunch(2, 2, "eval_interval=12", "data.num_workers=2")
     at_step(resumed, 12)  # the last step before the mixture
     assert "phases.2 from step 8: global batch 8 (accumulation 2), block 128" in resumed.text
     other_world = relaunch(1, 4)
@@ -300,9 +313,9 @@ def test_an_interruption_at_every_kind_of_boundary_resumes_exactly(tmp_path):
     assert f"resumed from {run_dir}/ckpt-{stopped:08d}.pt" in last
 
     interrupted = metrics(run_dir)
-    assert [m["step"] for m in interrupted] == [m["step"] for m in reference] == list(range(1, 17))
-    assert [m["phase"] for m in reference] == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
-    assert [len(sum(m["samples"], [])) for m in reference] == [4] * 4 + [8] * 8 + [16] * 4
+    assert [m["step"] for m in interrupted] == [m["step"] for m in reference] == list(range(1, 21))
+    assert [m["phase"] for m in reference] == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
+    assert [len(sum(m["samples"], [])) for m in reference] == [4] * 4 + [8] * 8 + [16] * 4 + [8] * 4
     for got, want in zip(interrupted, reference):
         where = f"step {got['step']}"
         for key in ("phase", "tokens", "consumed", "lr"):
@@ -315,9 +328,10 @@ def test_an_interruption_at_every_kind_of_boundary_resumes_exactly(tmp_path):
             assert got["loss"] == want["loss"], where
         else:
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), where
-    assert reference[-1]["tokens"] == 4 * 4 * 64 + 4 * 8 * 64 + 4 * 8 * 128 + 4 * 16 * 128
-    assert reference[-1]["consumed"]["ds"] == {"samples": 16 + 32 + 32, "tokens": 48 * 64 + 32 * 128}
-    assert reference[-1]["consumed"]["b"]["samples"] + reference[-1]["consumed"]["c"]["samples"] == 64
+    assert reference[-1]["tokens"] == 4 * 4 * 64 + 4 * 8 * 64 + 4 * 8 * 128 + 4 * 16 * 128 + 4 * 8 * 64
+    consumed = reference[-1]["consumed"]  # per dataset: b is counted as one source, read alone and in the mixture
+    assert set(consumed) == {"ds", "b", "c"} and consumed["ds"] == {"samples": 80, "tokens": 80 * 64}
+    assert consumed["b"]["samples"] + consumed["c"]["samples"] == 32 + 64
 
 
 def test_the_phases_example_config_runs_on_the_real_corpora(tmp_path):
@@ -347,7 +361,7 @@ def test_the_phases_example_config_runs_on_the_real_corpora(tmp_path):
     assert [r["tokens"] for r in records][9:11] == [2560, 3072]  # 10 steps of 4 x 64, then 8 x 64
     assert records[-1]["lr"] == pytest.approx(3e-4, rel=0.05)  # decayed over the 28,160 tokens
     consumed = records[-1]["consumed"]
-    assert set(consumed) == {"data", "plays-128", "plays", "wiki"}
+    assert set(consumed) == {"data", "plays", "wiki"}  # plays-128, then in the mixture as plays: one dataset
     assert sum(c["tokens"] for c in consumed.values()) == 28160
     assert all(r["val_loss"] == r["val_loss"] for r in records if "val_loss" in r)  # evaluated, finite
     from train.plot import plot_runs
@@ -385,3 +399,33 @@ def test_the_gpu_phases_config_counts_the_tokens_its_header_says(tmp_path):
     assert [(p.start_step, p.global_batch_size, recipe.block_size(p)) for p in recipe.phases] == [
         (0, 12, 1024), (30, 24, 1024), (200, 12, 2048)]
     assert recipe.tokens_before(config.max_steps) == config.optim.decay_tokens == 7_004_160
+
+
+def test_a_phase_that_reweighs_a_mixture_reads_it_at_its_new_weights(data):
+    """The same sources at other weights are other data: a stream of their own, each epoch the new counts."""
+    def mixture(b: float, c: float) -> str:
+        return (f"{{streams: [{{remote: '{data['b']}', name: b, proportion: {b}}}, "
+                f"{{remote: '{data['c']}', name: c, proportion: {c}}}]}}")
+
+    config = load_config(None, ["micro_batch_size=2", "model.block_size=128", "max_steps=12",
+                                f"phases=[{{start_step: 0, global_batch_size: 8, data: {mixture(0.5, 0.5)}}}, "
+                                f"{{start_step: 4, data: {mixture(0.9, 0.1)}}}]"])
+    recipe = Recipe.open(config, 1)
+    assert recipe.stream(recipe.phases[0]) != recipe.stream(recipe.phases[1])
+    batches = PhasedBatches(recipe, pin_memory=False)
+    steps = read_steps(recipe, batches, 0, 10)  # the second phase's first epoch: 48 samples, 6 steps
+    epoch = recipe.dataset(recipe.phases[1]).epoch_samples(BatchPlan(8, 2, 1))
+    assert sum(epoch) == 48 and epoch[0] > 5 * epoch[1]
+    assert batches.samples_per_source(sum(steps[4:], [])).tolist() == epoch
+    batches.close()
+
+
+def test_a_checkpoint_from_before_phases_counts_a_single_datasets_samples_from_its_step(data):
+    from tokstream.train.trainer import count_before_phases
+
+    config = load_config(None, [f"data.remote={data['a']}", "global_batch_size=4", "micro_batch_size=2",
+                                "model.block_size=64"])
+    recipe = Recipe.open(config, 1)
+    batches = PhasedBatches(recipe, pin_memory=False)
+    count_before_phases(batches, recipe, 10, master=False)
+    assert batches.consumed_by_name() == {"ds": {"samples": 40, "tokens": 40 * 64}}

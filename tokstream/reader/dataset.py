@@ -112,6 +112,7 @@ class Dataset:
     sources: list[Source]
     metadata: list[DatasetMetadata]  # per source
     identity: str  # of the train split(s): a resumed run must read the very same samples
+    source_identities: tuple[str, ...] = ()  # each source's own, in sources' order
 
     @property
     def source_names(self) -> list[str]:
@@ -172,7 +173,7 @@ def open_dataset(config: DataConfig, vocab_size: int | None = None, block_size: 
             check_split(root, split, metadata[-1], source.remote.rstrip("/"), local_files=not is_remote(source.remote))
         identities.append(dataset_identity(root, config.split))
     mixture.check_same_tokens(sources, metadata)
-    return Dataset(config, sources, metadata, mixture.identity(identities))
+    return Dataset(config, sources, metadata, mixture.identity(identities), tuple(identities))
 
 
 def val_split_holds_a_batch(samples: int, world_size: int, micro_batch_size: int) -> bool:

@@ -1,8 +1,6 @@
 """The run's micro-batches across phases, and the checkpoint's `loader`: each stream's position (phases.py)
 and the samples and tokens each source has given the run."""
 
-import gc
-
 import numpy as np
 import torch
 
@@ -17,10 +15,12 @@ class PhasedBatches:
     def __init__(self, recipe: Recipe, pin_memory: bool):
         self.recipe = recipe
         self.pin_memory = pin_memory
-        self.positions: dict[str, dict] = {}  # stream -> TrainBatches.state_dict(), for the streams not open
-        self.consumed: dict[str, dict[str, int]] = {}  # source name -> {"samples": n, "tokens": n}, all phases
+        self.positions: dict[str, dict] = {}  # stream -> TrainBatches.state_dict(), where it was last left
+        # Per source dataset (its identity, whatever mixture it is read in): {"name", "samples", "tokens"}.
+        self.consumed: dict[str, dict] = {}
         self.stream: str | None = None
         self.batches: TrainBatches | None = None
+        self.read_since_enter = False  # a stream opened and not read keeps the position it was saved with
 
     def enter(self, phase: Phase) -> bool:
         """Read `phase`'s stream from now on; True when that opened it (the data changed, or the first call)."""
@@ -28,16 +28,15 @@ class PhasedBatches:
         if stream == self.stream:
             return False
         self.close()
-        # The closed reader's StreamingDataset goes first: a stream read again registers the same directories.
-        gc.collect()
         batches = TrainBatches(self.recipe.dataset(phase), self.recipe.reader_plan(phase), pin_memory=self.pin_memory,
                                reuse_buffers=True)  # the trainer copies each micro-batch to the device at once
         if stream in self.positions:
-            batches.load_state_dict(self.positions.pop(stream))
-        self.stream, self.batches = stream, batches
+            batches.load_state_dict(self.positions[stream])
+        self.stream, self.batches, self.read_since_enter = stream, batches, False
         return True
 
     def __next__(self) -> dict[str, torch.Tensor]:
+        self.read_since_enter = True
         return next(self.batches)
 
     def samples_per_source(self, sample_ids: list[int]) -> np.ndarray:
@@ -45,17 +44,24 @@ class PhasedBatches:
 
     def count(self, phase: Phase, samples_per_source: list[int]) -> None:
         """Add one step's samples (all ranks', per source of the phase's data) to what each source has given."""
-        block = self.recipe.block_size(phase)
-        for name, samples in zip(self.recipe.dataset(phase).source_names, samples_per_source):
-            totals = self.consumed.setdefault(name, {"samples": 0, "tokens": 0})
+        dataset, block = self.recipe.dataset(phase), self.recipe.block_size(phase)
+        for identity, name, samples in zip(dataset.source_identities, dataset.source_names, samples_per_source):
+            totals = self.consumed.setdefault(identity, {"name": name, "samples": 0, "tokens": 0})
+            totals["name"] = name  # the latest name it was read under
             totals["samples"] += samples
             totals["tokens"] += samples * block
 
+    def consumed_by_name(self) -> dict[str, dict[str, int]]:
+        """What each source dataset has given, by its name (with its identity where two datasets share one)."""
+        names = [totals["name"] for totals in self.consumed.values()]
+        return {(totals["name"] if names.count(totals["name"]) == 1 else f"{totals['name']} ({identity[:8]})"):
+                {"samples": totals["samples"], "tokens": totals["tokens"]} for identity, totals in self.consumed.items()}
+
     def state_dict(self) -> dict:
         positions = dict(self.positions)
-        if self.batches is not None:
+        if self.batches is not None and self.read_since_enter:
             positions[self.stream] = self.batches.state_dict()
-        return {"streams": positions, "consumed": {name: dict(totals) for name, totals in self.consumed.items()}}
+        return {"streams": positions, "consumed": {key: dict(totals) for key, totals in self.consumed.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Before the first enter(). A checkpoint from before phases holds its one reader's state."""
@@ -63,10 +69,11 @@ class PhasedBatches:
             self.positions = {self.recipe.stream(self.recipe.phases[0]): state}
             return
         self.positions = dict(state["streams"])
-        self.consumed = {name: dict(totals) for name, totals in state["consumed"].items()}
+        self.consumed = {key: dict(totals) for key, totals in state["consumed"].items()}
 
     def close(self) -> None:
         if self.batches is not None:
-            self.positions[self.stream] = self.batches.state_dict()
+            if self.read_since_enter:
+                self.positions[self.stream] = self.batches.state_dict()
             self.batches.close()
         self.stream = self.batches = None

@@ -4,10 +4,10 @@ it another block size.
 The invariant: step s's samples are a function of the config and s alone, whatever the world size,
 micro-batch, workers and interruptions. Each phase reads a *stream*: its data's samples, epoch after
 epoch, in the reader's order (tokstream.reader.TrainBatches). Phases that read the same data (the same
-dataset identity: the same dataset, or the same mixture with the same weights) share one stream, read
-in *units*: the global batch of the first phase that reads it, which fixes the stream's epochs (whole
-units). A phase's global batch is a whole number of its stream's units, and each step takes the next
-ones. So at a boundary:
+datasets with the same weights: stream_key) share one stream, read in *units*: the global batch of the
+first phase that reads it, which fixes the stream's epochs (whole units). A phase's global batch is a
+whole number of its stream's units, and each step takes the next ones; a step of a larger batch may
+span its stream's epoch end. So at a boundary:
 
 - data that continues (a batch ramp) keeps its stream's position: no sample comes again before the
   epoch ends, whatever the batch;
@@ -20,6 +20,7 @@ The model is built once, for model.block_size, which must be the largest block a
 
 import bisect
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from tokstream.errors import UserError
@@ -48,12 +49,17 @@ def resolve_phases(config: TrainConfig) -> list[Phase]:
     batch, data = config.global_batch_size, config.data
     for index, given in enumerate(config.phases):
         start = given.start_step
+        if not isinstance(start, int) or start < 0:
+            raise UserError(f"phases.{index}.start_step must be a step (a whole number from 0), got {start!r}")
+        if given.global_batch_size is not None and given.global_batch_size < 1:
+            raise UserError(f"phases.{index}.global_batch_size must be a positive whole number, got "
+                            f"{given.global_batch_size!r}")
         if index == 0 and start != 0:
             raise UserError(f"phases.0.start_step is {start}: the first phase starts at step 0")
         if phases and start <= phases[-1].start_step:
             raise UserError(f"phases.{index}.start_step {start} is not after phases.{index - 1}.start_step "
                             f"{phases[-1].start_step}: list the phases in the order they start")
-        batch = given.global_batch_size or batch
+        batch = batch if given.global_batch_size is None else given.global_batch_size
         data = _phase_data(data, given.data, config.data)
         phases.append(Phase(index, start, batch, data))
     return phases
@@ -61,11 +67,15 @@ def resolve_phases(config: TrainConfig) -> list[Phase]:
 
 def _phase_data(previous: DataConfig, given: PhaseData, run_data: DataConfig) -> DataConfig:
     """The previous phase's data with what this phase names: a dataset or a mixture replaces the previous
-    one with its cache (a mixture's cache root defaults to the run's data.local), and split names apply."""
+    one with its cache (by default under the run's data.local: a dataset's in <its name>/, a mixture's
+    sources each in theirs), and split names apply."""
     changes: dict = {key: getattr(given, key) for key in ("split", "val_split") if getattr(given, key) is not None}
     if given.remote or given.streams:
-        changes.update(remote=given.remote, streams=list(given.streams),
-                       local=given.local if given.local is not None or not given.streams else run_data.local)
+        local = given.local
+        if local is None and run_data.local:
+            local = run_data.local if given.streams else os.path.join(run_data.local,
+                                                                      os.path.basename(given.remote.rstrip("/")))
+        changes.update(remote=given.remote, streams=list(given.streams), local=local)
     elif given.local is not None:
         changes["local"] = given.local
     return dataclasses.replace(previous, **changes)
@@ -91,29 +101,44 @@ class Recipe:
         for phase in phases:
             key = repr(phase.data)
             if key not in opened:  # without phases, the model's block must be the dataset's (open_dataset says so)
-                opened[key] = open_dataset(phase.data, vocab, None if config.phases else block)
+                try:
+                    opened[key] = open_dataset(phase.data, vocab, None if config.phases else block)
+                except UserError as err:
+                    raise UserError(f"{phase.name}: {err}" if config.phases else str(err)) from None
             datasets.append(opened[key])
         if config.phases:
-            largest = max(range(len(phases)), key=lambda i: datasets[i].metadata[0].block_size)
-            if datasets[largest].metadata[0].block_size != block:
+            blocks = [dataset.metadata[0].block_size for dataset in datasets]
+            largest = blocks.index(max(blocks))
+            if blocks[largest] != block:
                 raise UserError(f"model.block_size is {block}, but the largest block any phase reads is "
-                                f"{datasets[largest].metadata[0].block_size} ({phases[largest].name}): set "
-                                f"model.block_size={datasets[largest].metadata[0].block_size}, the model is built "
-                                "once for it")
+                                f"{blocks[largest]} ({phases[largest].name}): set model.block_size={blocks[largest]}, "
+                                "the model is built once for it")
         first_unit: dict[str, tuple[int, Phase]] = {}
         units = []
         for phase, dataset in zip(phases, datasets):
-            unit, first = first_unit.setdefault(dataset.identity, (phase.global_batch_size, phase))
+            unit, first = first_unit.setdefault(stream_key(dataset), (phase.global_batch_size, phase))
             if phase.global_batch_size % unit:
                 raise UserError(f"{phase.name}.global_batch_size {phase.global_batch_size} is not a multiple of "
                                 f"{unit}, the global batch its data is read in ({first.name}'s, the first phase "
                                 f"to read it): use a multiple of {unit}, so that each step takes whole units of "
                                 "the data's order")
             units.append(unit)
-        recipe = cls(phases, datasets, units, config.micro_batch_size, world_size)
-        for phase in phases:
-            recipe.plan(phase)  # checks that micro-batches x ranks cut the phase's unit
-        return recipe
+        return cls(phases, datasets, units, config.micro_batch_size, world_size)
+
+    def check_plans(self, step: int) -> None:
+        """Refuse micro-batches x ranks that do not cut the unit of a phase run at or after `step` (steps done):
+        an ended phase's no longer counts."""
+        for phase in self.phases:
+            if not self.ended(phase, step):
+                self.reader_plan(phase)
+
+    def started(self, phase: Phase, step: int) -> bool:
+        """Whether a run at `step` (steps done) has trained in `phase`: phase 0 always has."""
+        return phase.index == 0 or phase.start_step < step
+
+    def ended(self, phase: Phase, step: int) -> bool:
+        """Whether a run at `step` (steps done) is past `phase`: the next phase starts by then."""
+        return phase.index + 1 < len(self.phases) and self.phases[phase.index + 1].start_step <= step
 
     def at(self, step: int) -> Phase:
         """The phase that step `step` (0-based) trains in."""
@@ -123,15 +148,14 @@ class Recipe:
         return self.datasets[phase.index]
 
     def stream(self, phase: Phase) -> str:
-        """The key of the phase's stream: its data's identity."""
-        return self.dataset(phase).identity
+        """The key of the phase's stream (stream_key)."""
+        return stream_key(self.dataset(phase))
 
     def block_size(self, phase: Phase) -> int:
         return self.dataset(phase).metadata[0].block_size
 
     def plan(self, phase: Phase) -> BatchPlan:
-        """The phase's step: its global batch cut into micro-batches over the ranks."""
-        self.reader_plan(phase)
+        """The phase's step: its global batch cut into micro-batches over the ranks (check_plans says why not)."""
         return BatchPlan(phase.global_batch_size, self.micro_batch_size, self.world_size)
 
     def reader_plan(self, phase: Phase) -> BatchPlan:
@@ -161,14 +185,16 @@ class Recipe:
         for phase in self.phases:
             if self.stream(phase) not in seen:
                 seen.add(self.stream(phase))
-                line = self.dataset(phase).describe_epoch(self.reader_plan(phase))
-                lines.append(line if len(self.phases) == 1 else f"{phase.name}'s data: {line}")
+                unit = self.units[phase.index]
+                line = self.dataset(phase).describe_epoch(BatchPlan(unit, 1, 1))  # the epoch depends on the unit alone
+                lines.append(line if len(self.phases) == 1 else
+                             f"{phase.name}'s data: " + line.replace(" steps: ", f" steps of {unit} samples: ", 1))
         return lines
 
     def check_resumes(self, saved_identities: list[str], step: int) -> None:
         """Refuse to resume if a phase that has started by `step` would read other data than it did."""
         for phase, identity in zip(self.phases, saved_identities):
-            if phase.index and phase.start_step >= step:
+            if not self.started(phase, step):
                 break
             try:
                 self.dataset(phase).check_resumes(identity)
@@ -184,3 +210,9 @@ class Recipe:
         data = dataset.config.remote or "a mixture of " + ", ".join(dataset.source_names)
         return (f"{phase.name} from step {phase.start_step}: global batch {phase.global_batch_size} "
                 f"(accumulation {self.plan(phase).accumulation}), block {self.block_size(phase)}, {data}")
+
+
+def stream_key(dataset: Dataset) -> str:
+    """What makes phases read one stream: the same datasets (their identity) with the same weights."""
+    weights = [(source.weight, source.value) for source in dataset.sources]
+    return dataset.identity if weights == [(None, None)] else f"{dataset.identity} {weights}"

@@ -15,7 +15,12 @@ def in_tokens(config: TrainConfig) -> bool:
             "decay_tokens", "warmup_tokens")
         raise UserError(f"optim.{given} is set but not optim.{missing}: a schedule in tokens needs both (the run's "
                         "start-up line gives its total tokens)")
-    return optim.warmup_tokens is not None
+    if optim.warmup_tokens is None:
+        return False
+    if not 0 <= optim.warmup_tokens < optim.decay_tokens:
+        raise UserError(f"optim.warmup_tokens {optim.warmup_tokens} and optim.decay_tokens {optim.decay_tokens}: the "
+                        "warm-up must end (from 0) before the decay does")
+    return True
 
 
 def learning_rate(step: int, config: TrainConfig, tokens_before: int = 0, step_tokens: int = 0) -> float:

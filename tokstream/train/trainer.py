@@ -86,6 +86,7 @@ def setup(config: TrainConfig) -> Run:
 def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunStore, lease: RunLease | None) -> Run:
     """setup()'s part under the run's lease: resume or start, and everything the loop uses."""
     checkpoint_url, saved = find_latest(store, dist)
+    recipe.check_plans(saved["progress"]["step"] if saved is not None else 0)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
         old = saved["run"]
         if saved["progress"]["step"] > config.max_steps:
@@ -126,8 +127,8 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
                                             "rng": rng, "progress": progress},
                                 run_record={"config": config.to_dict(),
                                             "batch_plan": recipe.plan(recipe.phases[0]).state_dict(),
-                                            "dataset_identity": recipe.stream(recipe.phases[0]),
-                                            "phase_identities": [recipe.stream(phase) for phase in recipe.phases]},
+                                            "dataset_identity": recipe.datasets[0].identity,
+                                            "phase_identities": [dataset.identity for dataset in recipe.datasets]},
                                 metrics_path=metrics.path if in_store else None)
     if saved is not None:
         checkpointer.restore(saved)
@@ -299,7 +300,7 @@ def train(config: TrainConfig) -> bool:
 
         step = progress.step
         record = {"step": step, "loss": dist.mean(loss_sum).item(), "lr": lr,
-                  **data_record(run, sample_ids, tokens_before + step_tokens)}
+                  **account_step(run, sample_ids, tokens_before + step_tokens)}
         seconds = time.perf_counter() - started
         record.update(tokens_per_s=step_tokens / seconds, data_wait_s=data_wait, step_s=seconds)
         if run.peak_flops:
@@ -330,9 +331,10 @@ def train(config: TrainConfig) -> bool:
     return finished
 
 
-def data_record(run: Run, sample_ids: list[int], tokens: int) -> dict:
-    """What a step read, for metrics.jsonl: tokens so far, its samples (trace_samples) and phase, and per source
-    its samples and what each source has given the run (PhasedBatches.consumed)."""
+def account_step(run: Run, sample_ids: list[int], tokens: int) -> dict:
+    """Count a step's samples per source into what each source has given the run (PhasedBatches.consumed, part
+    of the checkpoint), and return what the step read for metrics.jsonl: tokens so far, its phase and samples
+    (trace_samples), per source its samples and everything consumed."""
     record = {"tokens": tokens}
     if len(run.recipe.phases) > 1:
         record["phase"] = run.phase.index
@@ -345,7 +347,7 @@ def data_record(run: Run, sample_ids: list[int], tokens: int) -> dict:
         counts = counts.tolist()
         record["samples_per_source"] = dict(zip(run.source_names, counts))
     run.batches.count(run.phase, counts)
-    record["consumed"] = {name: dict(totals) for name, totals in run.batches.consumed.items()}
+    record["consumed"] = run.batches.consumed_by_name()
     return record
 
 
