@@ -20,6 +20,7 @@ from tokstream.reader import mixture
 from tokstream.reader.config import DataConfig
 from tokstream.reader.batch_plan import BatchPlan
 from tokstream.reader.dataset import Dataset, is_remote, local_root, val_split_holds_a_batch, vocab_size
+from tokstream.reader.documents import document_structure
 from tokstream.reader.mixture import Source
 from tokstream.reader.token_dataset import TokenDataset
 from tokstream.reader.token_loader import TokenLoader
@@ -41,10 +42,12 @@ class TrainBatches:
     so a micro-batch's tensors are overwritten about two transfers (512 samples) later; for a loop that
     copies each micro-batch to the device before it takes the next (tokstream's trainer). Off: every
     micro-batch is its own. `pin_memory` without CUDA is turned off with a warning, as torch's DataLoader does.
+    `max_documents`: each micro-batch also holds its documents, "positions", "documents" and "cu_seqlens"
+    padded to max_documents + 1 (documents.py).
     """
 
     def __init__(self, dataset: Dataset, plan: BatchPlan, pin_memory: bool = False, with_sources: bool = False,
-                 reuse_buffers: bool = False):
+                 reuse_buffers: bool = False, max_documents: int | None = None):
         world = int(os.environ.get("WORLD_SIZE", 1))
         if plan.world_size != world:
             raise UserError(f"the batch plan is for {plan.world_size} ranks, but this process is one of {world} "
@@ -60,7 +63,8 @@ class TrainBatches:
                                   vocab_sizes=[m.vocab_size for m in dataset.metadata])
         self._first_sample_of_source = self.loader.dataset.sample_offset_per_stream
         # No reference back to self: a cycle would keep the loader's workers alive past the run.
-        self._batches = _epoch_after_epoch(self.loader, self._first_sample_of_source if with_sources else None)
+        self._batches = _epoch_after_epoch(self.loader, self._first_sample_of_source if with_sources else None,
+                                           _structure(dataset, max_documents))
         self._started = self._closed = False
 
     def samples_per_source(self, sample_ids: list[int]) -> np.ndarray:
@@ -111,19 +115,45 @@ def _source_of(first_sample_of_source: np.ndarray, sample_ids: np.ndarray) -> np
     return np.searchsorted(first_sample_of_source, sample_ids, side="right") - 1
 
 
-def _epoch_after_epoch(loader: TokenLoader, first_sample_of_source: np.ndarray | None
+def _structure(dataset: Dataset, max_documents: int | None):
+    """A function adding a micro-batch's documents to it, or None."""
+    if max_documents is None:
+        return None
+    if not isinstance(max_documents, int) or isinstance(max_documents, bool) or max_documents < 1:
+        raise UserError(f"max_documents must be a positive whole number, got {max_documents!r}")
+    metadata = dataset.metadata[0]  # a mixture's sources share their separator (mixture.check_same_tokens)
+    return lambda batch: batch.update(document_structure(batch["tokens"].numpy(), metadata.separator_id,
+                                                         metadata.separator_position, max_documents))
+
+
+def _epoch_after_epoch(loader: TokenLoader, first_sample_of_source: np.ndarray | None, add_documents=None
                        ) -> Iterator[dict[str, torch.Tensor]]:
     while True:  # streaming starts the next epoch on each new iterator
         for batch in loader:
             if first_sample_of_source is not None:
                 batch["source"] = torch.from_numpy(_source_of(first_sample_of_source, batch["ids"].numpy()))
+            if add_documents is not None:
+                add_documents(batch)
             yield batch
 
 
-def eval_batches(dataset: Dataset, micro_batch_size: int, world_size: int, pin_memory: bool = False
-                 ) -> tuple[dict[str, TokenLoader], list[str]]:
+class _WithDocuments:
+    """An evaluation loader whose micro-batches hold their documents too."""
+
+    def __init__(self, loader: TokenLoader, add_documents):
+        self.loader, self.add_documents = loader, add_documents
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for batch in self.loader:
+            self.add_documents(batch)
+            yield batch
+
+
+def eval_batches(dataset: Dataset, micro_batch_size: int, world_size: int, pin_memory: bool = False,
+                 max_documents: int | None = None) -> tuple[dict[str, Iterator], list[str]]:
     """A loader over each source's val split (data.val_split), unshuffled, every rank its own part, for the
-    sources whose split gives every rank a micro-batch; and a line for each source left out."""
+    sources whose split gives every rank a micro-batch; and a line for each source left out. `max_documents`:
+    as TrainBatches'."""
     split = dataset.config.val_split
     loaders, left_out = {}, []
     for source, metadata, samples in zip(dataset.sources, dataset.metadata, dataset.samples(split)):
@@ -131,6 +161,8 @@ def eval_batches(dataset: Dataset, micro_batch_size: int, world_size: int, pin_m
             loaders[source.name] = make_loader(dataset.config, split, micro_batch_size, shuffle=False,
                                                pin_memory=pin_memory, num_workers=0, sources=[source],
                                                vocab_sizes=[metadata.vocab_size])
+            if max_documents is not None:
+                loaders[source.name] = _WithDocuments(loaders[source.name], _structure(dataset, max_documents))
         elif samples:
             left_out.append(f"evaluation of {source.where} is off: its {split} split has {samples} samples, fewer "
                             f"than one micro-batch of {micro_batch_size} on each of {world_size} ranks")

@@ -20,6 +20,10 @@ class ModelConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = False
+    # causal: every token attends to the block before it; document: only to its own document's tokens
+    # (separators from the dataset's metadata; README, "Document attention").
+    attention: str = "causal"
+    positions: str = "absolute"  # or document: position embeddings restart at each document (with attention: document)
 
 
 @dataclass

@@ -1,10 +1,13 @@
-"""GPT-2: pre-LayerNorm transformer, GELU MLP, tied input/output embeddings, flash attention via SDPA."""
+"""GPT-2: pre-LayerNorm transformer, GELU MLP, tied input/output embeddings, flash attention via SDPA;
+or attention that stays inside each document (model.attention: document) through FlexAttention's block
+mask on a GPU or under torch.compile, a masked SDPA otherwise."""
 
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from tokstream.errors import UserError
 from tokstream.train.config import ModelConfig
@@ -30,12 +33,19 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        """`mask`: None (causal), a boolean (batch, 1, length, length) mask, or a FlexAttention BlockMask."""
         batch, length, channels = x.shape
         q, k, v = self.qkv(x).split(channels, dim=2)
         q, k, v = (t.view(batch, length, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)
+        dropout = self.dropout if self.training else 0.0
+        if isinstance(mask, BlockMask):
+            if dropout:
+                raise UserError("model.dropout with attention: document on this device is not supported (FlexAttention "
+                                "has no dropout): set model.dropout=0")
+            y = flex_attention(q, k, v, block_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None)
         return self.proj(y.transpose(1, 2).contiguous().view(batch, length, channels))
 
 
@@ -58,14 +68,35 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
+
+
+def document_mask(documents: torch.Tensor, flex: bool) -> torch.Tensor | BlockMask:
+    """Causal attention within each document, from each token's document index (batch, length)."""
+    batch, length = documents.shape
+    if flex:
+        def same_document_before(b, h, q, kv):
+            return (documents[b, q] == documents[b, kv]) & (q >= kv)
+        return create_block_mask(same_document_before, batch, None, length, length, device=documents.device)
+    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()
+    return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
+
+
+ATTENTION = ("causal", "document")
+POSITIONS = ("absolute", "document")
 
 
 class GPT(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        if config.attention not in ATTENTION or config.positions not in POSITIONS:
+            raise UserError(f"model.attention must be one of {', '.join(ATTENTION)} and model.positions one of "
+                            f"{', '.join(POSITIONS)}, got {config.attention!r} and {config.positions!r}")
+        if config.positions == "document" and config.attention != "document":
+            raise UserError("model.positions=document needs model.attention=document: a token would attend across "
+                            "documents whose positions restart")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
@@ -90,12 +121,21 @@ class GPT(nn.Module):
         total = sum(p.numel() for p in self.parameters())
         return total - self.wpe.weight.numel() if non_embedding else total
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean cross-entropy over all positions when targets are given, else logits."""
-        positions = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, flex: bool | None = None) -> torch.Tensor:
+        """Mean cross-entropy over all positions when targets are given, else logits. With attention: document,
+        `documents` (each token's document index) and, with positions: document, `positions` (within its
+        document): the reader's (tokstream.reader, max_documents). `flex`: FlexAttention's block mask (default:
+        on a GPU or when compiled) rather than a masked SDPA."""
+        mask = None
+        if self.config.attention == "document":
+            flex = (idx.is_cuda or torch.compiler.is_compiling()) if flex is None else flex
+            mask = document_mask(documents, flex)
+        if self.config.positions == "absolute":
+            positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(positions))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits

@@ -12,9 +12,10 @@ class PhasedBatches:
     """Reads the current phase's stream through one TrainBatches; a phase reading other data closes it,
     keeps its position, and opens the other stream where it stood."""
 
-    def __init__(self, recipe: Recipe, pin_memory: bool):
+    def __init__(self, recipe: Recipe, pin_memory: bool, max_documents: int | None = None):
         self.recipe = recipe
         self.pin_memory = pin_memory
+        self.max_documents = max_documents  # TrainBatches': each micro-batch with its documents
         self.positions: dict[str, dict] = {}  # stream -> TrainBatches.state_dict(), where it was last left
         # Per source dataset (its identity, whatever mixture it is read in): {"name", "samples", "tokens"}.
         self.consumed: dict[str, dict] = {}
@@ -29,7 +30,8 @@ class PhasedBatches:
             return False
         self.close()
         batches = TrainBatches(self.recipe.dataset(phase), self.recipe.reader_plan(phase), pin_memory=self.pin_memory,
-                               reuse_buffers=True)  # the trainer copies each micro-batch to the device at once
+                               reuse_buffers=True,  # the trainer copies each micro-batch to the device at once
+                               max_documents=self.max_documents)
         if stream in self.positions:
             batches.load_state_dict(self.positions[stream])
         self.stream, self.batches, self.read_since_enter = stream, batches, False

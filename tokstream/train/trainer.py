@@ -111,7 +111,7 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
                 print(f"removed {len(removed)} shared-memory blocks a killed run of this dataset left behind")
         dist.barrier()
     use_cuda = dist.device.type == "cuda"
-    batches = PhasedBatches(recipe, pin_memory=use_cuda)
+    batches = PhasedBatches(recipe, pin_memory=use_cuda, max_documents=max_documents(config))
     model = torch.compile(raw_model) if config.compile else raw_model
     autocast = torch.autocast("cuda", dtype=getattr(torch, config.dtype)) if use_cuda else nullcontext()
     if dist.enabled:
@@ -196,12 +196,30 @@ def settle_gradient_buckets(model: DDP, optimizer: torch.optim.Optimizer, config
     The dummy batch has the micro-batch's shape, so a compiled model compiles here rather than again; no
     RNG stream moves (fork_rng: the checkpoint's dropout streams) and no optimizer step is taken."""
     tokens = torch.zeros(config.micro_batch_size, config.model.block_size + 1, dtype=torch.long)
-    inputs, targets = to_device({"tokens": tokens}, device)
+    batch = {"tokens": tokens, "documents": torch.zeros(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.int32),
+             "positions": torch.arange(tokens.shape[1] - 1, dtype=torch.int32).expand(tokens.shape[0], -1)}
+    inputs, targets, documents = model_inputs(batch, device, config)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         with autocast:
-            loss = model(inputs, targets)
+            loss = model(inputs, targets, **documents)
         loss.backward()
     optimizer.zero_grad(set_to_none=True)
+
+
+def max_documents(config: TrainConfig) -> int | None:
+    """The reader's document structure is asked for with document attention (data.max_documents pads it)."""
+    return config.data.max_documents if config.model.attention == "document" else None
+
+
+def model_inputs(batch: dict, device: torch.device, config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Inputs and targets on the device, and with document attention each token's document (and position in it)."""
+    inputs, targets = to_device(batch, device)
+    if config.model.attention != "document":
+        return inputs, targets, {}
+    documents = {"documents": batch["documents"].to(device, non_blocking=True)}
+    if config.model.positions == "document":
+        documents["positions"] = batch["positions"].to(device, non_blocking=True).long()
+    return inputs, targets, documents
 
 
 def hold_the_lease(store: RunStore, interval_s: float, dist: Distributed) -> RunLease | None:
@@ -226,7 +244,7 @@ def validation_loaders(config: TrainConfig, dataset: Dataset, dist: Distributed,
     """A loader over each source's val split, for the sources that have one big enough."""
     if not config.eval_interval:
         return {}
-    loaders, left_out = eval_batches(dataset, config.micro_batch_size, dist.world, pin_memory)
+    loaders, left_out = eval_batches(dataset, config.micro_batch_size, dist.world, pin_memory, max_documents(config))
     if dist.master:
         for line in left_out:
             print(line)
@@ -285,11 +303,11 @@ def train(config: TrainConfig) -> bool:
             waited = time.perf_counter()
             batch = next(run.batches)
             data_wait += time.perf_counter() - waited
-            inputs, targets = to_device(batch, dist.device)
+            inputs, targets, documents = model_inputs(batch, dist.device, config)
             sample_ids.extend(batch["ids"].tolist())
             last = micro == accumulation - 1
             with nullcontext() if last or not dist.enabled else model.no_sync(), run.autocast:
-                loss = model(inputs, targets) / accumulation  # gradients all-reduced on the last micro-batch
+                loss = model(inputs, targets, **documents) / accumulation  # gradients all-reduced on the last one
             loss.backward()
             loss_sum += loss.detach()
         if config.optim.grad_clip > 0:
@@ -381,9 +399,9 @@ def evaluate(run: Run) -> dict[str, float] | None:
             if run.preemption.should_stop():
                 preempted = True
                 break
-            inputs, targets = to_device(batch, run.dist.device)
+            inputs, targets, documents = model_inputs(batch, run.dist.device, run.config)
             with run.autocast:
-                total[0] += run.model(inputs, targets).float()
+                total[0] += run.model(inputs, targets, **documents).float()
             total[1] += 1
         if preempted:
             break
