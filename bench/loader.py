@@ -3,6 +3,7 @@
     python bench/loader.py                  # builds a 100 M-token dataset from ../shared/corpora
     python bench/loader.py --data DIR       # an existing converted dataset (its train split)
     python bench/loader.py --remote         # also: the dataset served from S3 on 127.0.0.1, cold cache
+    python bench/loader.py --documents      # only: training's loader with and without each batch's documents
     pip install -e .[bench]                 # litData, the peer (measured when installed)
 
 All read the same 1,025-token uint16 samples, shuffled, batch 16, one process (plus its DataLoader
@@ -122,13 +123,29 @@ def litdata_batches(optimized: Path, workers: int):
         yield {"tokens": batch}
 
 
-READERS = ("project", "project-pickled", "stock", "litdata", "memmap")
+READERS = ("project", "project-pickled", "project-documents", "stock", "litdata", "memmap")
+
+
+def with_documents(batches, root: str):
+    """The batches with their document structure, as TrainBatches(max_documents=...) adds it for document
+    attention (tokstream/reader/documents.py), at data.max_documents' default."""
+    from tokstream.format import read_metadata
+    from tokstream.reader.config import DataConfig
+    from tokstream.reader.documents import document_structure
+
+    metadata = read_metadata(root)
+    for batch in batches:
+        batch.update(document_structure(batch["tokens"].numpy(), metadata.separator_id, metadata.separator_position,
+                                        DataConfig().max_documents))
+        yield batch
 
 
 def reader_batches(reader: str, source: str, workers: int):
     """The batches of one row's reader; `source`: the dataset root (litData's chunks for litdata)."""
     if reader in ("project", "project-pickled"):
         return project_loader(source, None, workers, reuse_slots=reader == "project")
+    if reader == "project-documents":
+        return with_documents(project_loader(source, None, workers), source)
     if reader == "stock":
         return stock_loader(source, None, workers)
     if reader == "litdata":
@@ -288,6 +305,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=4, help="runs of each, with workers: ring vs pickled")
     parser.add_argument("--remote", action="store_true", help="also measure from S3 on loopback, cold cache")
+    parser.add_argument("--documents", action="store_true",
+                        help="only the cost of document structure: training's loader with and without it")
     parser.add_argument("--rate", choices=READERS, help=argparse.SUPPRESS)  # fresh_rate's process
     parser.add_argument("--source", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=0, help=argparse.SUPPRESS)
@@ -301,6 +320,8 @@ def main() -> None:
         root = Path(args.data) if args.data else Path(tmp) / "ds"
         if not args.data:
             build_dataset(root, args.tokens)
+        if args.documents:
+            return document_rates(root, args.batches, args.repeat)
         peer = litdata_installed()
         optimized = Path(tmp) / "litdata" if peer else None
         if optimized is not None:
@@ -331,6 +352,19 @@ def main() -> None:
               + " ".join(f"{w}={rates[f'project workers={w}'] / r:.2f}" for w, r in pickled.items()))
         if args.remote:
             remote_rates(root, Path(tmp), args.batches, rates["memmap get_batch"])
+
+
+def document_rates(root: Path, batches: int, repeat: int) -> None:
+    """Training's loader in-process with and without each micro-batch's documents, alternately, medians."""
+    runs = {reader: [] for reader in ("project", "project-documents")}
+    for turn in range(repeat):
+        for reader in runs if turn % 2 == 0 else reversed(list(runs)):
+            runs[reader].append(fresh_rate(reader, root, 0, batches))
+    plain, documents = (statistics.median(runs[reader]) for reader in runs)
+    print(f"== document structure: tokens/s, batch {BATCH} x 1025, shuffled, in-process, median of {repeat}")
+    print(f"  project workers=0            {plain / 1e6:8.2f} M")
+    print(f"  project workers=0 +documents {documents / 1e6:8.2f} M")
+    print(f"  ratio_documents_vs_without={documents / plain:.2f}")
 
 
 def report(title: str, rates: dict[str, float]) -> None:

@@ -3,6 +3,11 @@
     python bench/train_throughput.py          # GPT-2 124M, bf16, torch.compile, on one CUDA GPU
     python bench/train_throughput.py --config configs/tiny.yaml --steps 4 --rounds 2   # CPU smoke run
     python bench/train_throughput.py micro_batch_size=16 compile=false                 # config overrides
+    python bench/train_throughput.py --attention causal document --doc-length 400    # attention's cost
+
+With --attention, the sources are the project loader feeding one model per attention (model.attention:
+causal, or document with model.positions: document and each micro-batch's documents), the same weights,
+on tokens where a document ends every --doc-length tokens on average.
 
 One model, one optimizer and one loop: tokstream/train/trainer.py's step (a forward and backward pass per
 micro-batch, gradient clipping, fused AdamW, one loss.item() sync per step). Only the batch
@@ -20,6 +25,7 @@ the next batch while they run, so most of that time is hidden.
 """
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
@@ -39,15 +45,19 @@ from tokstream.train.model import GPT, peak_bf16_flops  # noqa: E402
 GPT2_VOCAB, GPT2_EOT = 50257, 50256
 
 
-def build_token_files(workdir: Path, million_tokens: int, block_size: int) -> tuple[Path, Path]:
-    """Random GPT-2 token ids (the loop does not care what they say) as train.bin and as MDS."""
+def build_token_files(workdir: Path, million_tokens: int, block_size: int, doc_length: int = 0) -> tuple[Path, Path]:
+    """Random GPT-2 token ids (the loop does not care what they say) as train.bin and as MDS; with `doc_length`,
+    a separator ends a document every doc_length tokens on average."""
     from tokstream.options import ConversionOptions
     from tokstream.token_conversion import Vocabulary, convert_token_files
     from tokstream.token_files import open_token_file
 
     bin_path = workdir / "train.bin"
     rng = np.random.default_rng(0)
-    rng.integers(0, GPT2_VOCAB, size=million_tokens * 1_000_000, dtype=np.uint16).tofile(bin_path)
+    tokens = rng.integers(0, GPT2_VOCAB - 1, size=million_tokens * 1_000_000, dtype=np.uint16)
+    if doc_length:  # documents of doc_length tokens on average, each ended by the separator
+        tokens[rng.random(tokens.size) < 1 / doc_length] = GPT2_EOT
+    tokens.tofile(bin_path)
     mds_root = workdir / "mds"
     convert_token_files({"train": [open_token_file(bin_path)]}, str(mds_root),
                         Vocabulary("gpt2", None, GPT2_VOCAB, GPT2_EOT, "after"), ConversionOptions(block_size=block_size, progress=False))
@@ -63,14 +73,24 @@ def memmap_source(bin_path: Path, batch: int, block: int, device: torch.device):
         y = torch.stack([torch.from_numpy(tokens[i + 1:i + 1 + block].astype(np.int64)) for i in ix])
         if device.type == "cuda":
             return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-        return x, y
+        return x, y, {}
     return get_batch
 
 
-def project_source(config, batch: int, device: torch.device):
-    """The trainer's reader (tokstream.reader.TrainBatches), epoch after epoch."""
-    batches = TrainBatches(open_dataset(config.data), BatchPlan(batch, batch, 1), pin_memory=device.type == "cuda")
-    return lambda: to_device(next(batches), device)
+def project_source(config, batch: int, device: torch.device, documents: bool = False):
+    """The trainer's reader (tokstream.reader.TrainBatches), epoch after epoch; with `documents`, each
+    micro-batch's documents and positions as the model's keyword arguments (the trainer's model_inputs)."""
+    batches = TrainBatches(open_dataset(config.data), BatchPlan(batch, batch, 1), pin_memory=device.type == "cuda",
+                           max_documents=config.data.max_documents if documents else None)
+
+    def next_batch():
+        batch = next(batches)
+        inputs, targets = to_device(batch, device)
+        if not documents:
+            return inputs, targets, {}
+        return inputs, targets, {"documents": batch["documents"].to(device, non_blocking=True),
+                                 "positions": batch["positions"].to(device, non_blocking=True).long()}
+    return next_batch
 
 
 def run_steps(model, optimizer, next_batch, steps: int, accumulation: int, autocast, grad_clip: float,
@@ -95,9 +115,9 @@ def run_steps(model, optimizer, next_batch, steps: int, accumulation: int, autoc
     batch = fetch() if fetch_ahead else None
     for _ in range(steps):
         for _ in range(accumulation):
-            inputs, targets = batch if fetch_ahead else fetch()
+            inputs, targets, documents = batch if fetch_ahead else fetch()
             with autocast:
-                loss = model(inputs, targets) / accumulation
+                loss = model(inputs, targets, **documents) / accumulation
             if fetch_ahead:
                 batch = fetch()
             loss.backward()
@@ -121,6 +141,9 @@ def main() -> None:
     parser.add_argument("--fetch-ahead", action="store_true",
                         help="fetch each micro-batch while the previous one runs, as nanoGPT's train.py does")
     parser.add_argument("--workdir", default=None, help="where to write the dataset (default: a temporary dir)")
+    parser.add_argument("--attention", nargs="+", choices=("causal", "document"), default=None,
+                        help="compare these attentions, each a model fed by the project loader")
+    parser.add_argument("--doc-length", type=int, default=0, help="mean document length in the dataset (0: none)")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value, as for train/main.py")
     args = parser.parse_args()
 
@@ -128,29 +151,42 @@ def main() -> None:
         config = load_config(args.config, [*args.overrides, f"data.remote={Path(tmp) / 'mds'}"])
         micro, block = config.micro_batch_size, config.model.block_size
         accumulation = args.accumulation or config.global_batch_size // micro
-        bin_path, _ = build_token_files(Path(tmp), args.tokens, block)
+        bin_path, _ = build_token_files(Path(tmp), args.tokens, block, args.doc_length)
 
         use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         device = torch.device("cuda" if use_cuda else "cpu")
-        torch.manual_seed(config.seed)
-        raw_model = GPT(config.model).to(device)
-        optimizer = raw_model.optimizer(config.optim.lr, config.optim.weight_decay,
-                                        (config.optim.beta1, config.optim.beta2), device.type)
-        model = torch.compile(raw_model) if config.compile else raw_model
         autocast = torch.autocast("cuda", dtype=getattr(torch, config.dtype)) if use_cuda else nullcontext()
 
-        memmap = memmap_source(bin_path, micro, block, device)
-        resident_batch = memmap()
-        sources = {"resident (no loading)": lambda: resident_batch, "memmap get_batch": memmap,
-                   "project loader": project_source(config, micro, device)}
+        def build(attention: str) -> tuple:
+            torch.manual_seed(config.seed)  # the same weights for every attention
+            model_config = dataclasses.replace(config.model, attention=attention,
+                                               positions="document" if attention == "document" else "absolute")
+            raw = GPT(model_config).to(device)
+            optimizer = raw.optimizer(config.optim.lr, config.optim.weight_decay,
+                                      (config.optim.beta1, config.optim.beta2), device.type)
+            return raw, (torch.compile(raw) if config.compile else raw), optimizer
+
+        if args.attention:
+            sources, models = {}, {}
+            for attention in args.attention:
+                name = f"attention={attention}"
+                sources[name] = project_source(config, micro, device, documents=attention == "document")
+                models[name] = build(attention)
+        else:
+            memmap = memmap_source(bin_path, micro, block, device)
+            resident_batch = memmap()
+            sources = {"resident (no loading)": lambda: resident_batch, "memmap get_batch": memmap,
+                       "project loader": project_source(config, micro, device)}
+            models = dict.fromkeys(sources, build(config.model.attention))
+        raw_model = next(iter(models.values()))[0]
 
         def run(source: str, steps: int) -> tuple[float, float]:
+            _, model, optimizer = models[source]
             return run_steps(model, optimizer, sources[source], steps, accumulation, autocast,
                              config.optim.grad_clip, device, args.fetch_ahead)
 
-        run("resident (no loading)", args.warmup)  # compiles
         for name in sources:
-            run(name, 1)  # each source's own first-call costs: pinned pool, streaming's threads
+            run(name, args.warmup)  # compiles
         totals = {name: [0.0, 0.0] for name in sources}
         for _ in range(args.rounds):
             for name in sources:
@@ -169,6 +205,14 @@ def main() -> None:
               f"{'; batches fetched one ahead' if args.fetch_ahead else ''}")
         print(f"{'source':24s} {'tokens/s':>12s} {'MFU':>7s} {'data_wait':>10s} {'host_wait':>10s}")
         rates = {name: tokens / seconds for name, (seconds, _) in totals.items()}
+        if args.attention:
+            for name, (seconds, host_wait) in totals.items():
+                mfu = f"{flops_per_token * rates[name] / peak:7.1%}" if peak else f"{'-':>7s}"
+                print(f"{name:24s} {rates[name]:12,.0f} {mfu} {'':>10s} {host_wait / seconds:10.2%}")
+            if len(rates) == 2:
+                print(f"ratio_document_vs_causal={rates['attention=document'] / rates['attention=causal']:.3f} "
+                      "(MFU counts causal attention's FLOPs for both)")
+            return
         ceiling = rates["resident (no loading)"]
         for name, (seconds, host_wait) in totals.items():
             mfu = f"{flops_per_token * rates[name] / peak:7.1%}" if peak else f"{'-':>7s}"
