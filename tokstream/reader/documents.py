@@ -28,13 +28,16 @@ def document_structure(tokens: np.ndarray, separator_id: int, separator_position
         starts[:, 1:] = inputs[:, 1:] == separator_id
     starts[:, 0] = True
     flat = starts.ravel()
-    index = np.arange(flat.size)
-    documents = np.cumsum(flat) - 1
-    positions = index - np.maximum.accumulate(np.where(flat, index, 0))
+    index = np.arange(flat.size, dtype=np.int32)
+    documents = np.cumsum(flat, dtype=np.int32)
+    documents -= 1
+    starts_at = np.where(flat, index, 0)
+    np.maximum.accumulate(starts_at, out=starts_at)  # each token's document start
+    positions = np.subtract(index, starts_at, out=index)
     boundaries = np.flatnonzero(flat)  # where each document starts
     cu_seqlens = np.full(max_documents + 1, flat.size, dtype=np.int32)
     kept = boundaries[:max_documents]
     cu_seqlens[:len(kept)] = kept
-    return {"positions": torch.from_numpy(positions.reshape(samples, length).astype(np.int32)),
-            "documents": torch.from_numpy(documents.reshape(samples, length).astype(np.int32)),
+    return {"positions": torch.from_numpy(positions.reshape(samples, length)),
+            "documents": torch.from_numpy(documents.reshape(samples, length)),
             "cu_seqlens": torch.from_numpy(cu_seqlens)}
