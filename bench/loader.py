@@ -3,7 +3,7 @@
     python bench/loader.py                  # builds a 100 M-token dataset from ../shared/corpora
     python bench/loader.py --data DIR       # an existing converted dataset (its train split)
     python bench/loader.py --remote         # also: the dataset served from S3 on 127.0.0.1, cold cache
-    python bench/loader.py --documents      # only: training's loader with and without each batch's documents
+    python bench/loader.py --documents      # only: TrainBatches with and without each batch's documents
     pip install -e .[bench]                 # litData, the peer (measured when installed)
 
 All read the same 1,025-token uint16 samples, shuffled, batch 16, one process (plus its DataLoader
@@ -123,29 +123,24 @@ def litdata_batches(optimized: Path, workers: int):
         yield {"tokens": batch}
 
 
-READERS = ("project", "project-pickled", "project-documents", "stock", "litdata", "memmap")
+READERS = ("project", "project-pickled", "train-batches", "train-batches-documents", "stock", "litdata", "memmap")
 
 
-def with_documents(batches, root: str):
-    """The batches with their document structure, as TrainBatches(max_documents=...) adds it for document
-    attention (tokstream/reader/documents.py), at data.max_documents' default."""
-    from tokstream.format import read_metadata
-    from tokstream.reader.config import DataConfig
-    from tokstream.reader.documents import document_structure
+def train_batches(root: str, documents: bool):
+    """tokstream.reader.TrainBatches (what a training loop iterates), with or without each micro-batch's documents
+    (document attention), at data.max_documents' default."""
+    from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
 
-    metadata = read_metadata(root)
-    for batch in batches:
-        batch.update(document_structure(batch["tokens"].numpy(), metadata.separator_id, metadata.separator_position,
-                                        DataConfig().max_documents))
-        yield batch
+    return TrainBatches(open_dataset(DataConfig(remote=root)), BatchPlan(BATCH, BATCH, 1),
+                        max_documents=DataConfig().max_documents if documents else None)
 
 
 def reader_batches(reader: str, source: str, workers: int):
     """The batches of one row's reader; `source`: the dataset root (litData's chunks for litdata)."""
     if reader in ("project", "project-pickled"):
         return project_loader(source, None, workers, reuse_slots=reader == "project")
-    if reader == "project-documents":
-        return with_documents(project_loader(source, None, workers), source)
+    if reader.startswith("train-batches"):
+        return train_batches(source, documents=reader.endswith("documents"))
     if reader == "stock":
         return stock_loader(source, None, workers)
     if reader == "litdata":
@@ -355,15 +350,15 @@ def main() -> None:
 
 
 def document_rates(root: Path, batches: int, repeat: int) -> None:
-    """Training's loader in-process with and without each micro-batch's documents, alternately, medians."""
-    runs = {reader: [] for reader in ("project", "project-documents")}
+    """TrainBatches in-process with and without each micro-batch's documents, alternately, medians."""
+    runs = {reader: [] for reader in ("train-batches", "train-batches-documents")}
     for turn in range(repeat):
         for reader in runs if turn % 2 == 0 else reversed(list(runs)):
             runs[reader].append(fresh_rate(reader, root, 0, batches))
     plain, documents = (statistics.median(runs[reader]) for reader in runs)
     print(f"== document structure: tokens/s, batch {BATCH} x 1025, shuffled, in-process, median of {repeat}")
-    print(f"  project workers=0            {plain / 1e6:8.2f} M")
-    print(f"  project workers=0 +documents {documents / 1e6:8.2f} M")
+    print(f"  TrainBatches workers=0            {plain / 1e6:8.2f} M")
+    print(f"  TrainBatches workers=0 +documents {documents / 1e6:8.2f} M")
     print(f"  ratio_documents_vs_without={documents / plain:.2f}")
 
 

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))  # run from a clone without installing
 from tokstream.reader import BatchPlan, TrainBatches, open_dataset, to_device  # noqa: E402
 from tokstream.train.config import load_config  # noqa: E402
 from tokstream.train.model import GPT, peak_bf16_flops  # noqa: E402
+from tokstream.train.trainer import max_documents, model_inputs  # noqa: E402
 
 GPT2_VOCAB, GPT2_EOT = 50257, 50256
 
@@ -54,7 +55,7 @@ def build_token_files(workdir: Path, million_tokens: int, block_size: int, doc_l
 
     bin_path = workdir / "train.bin"
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, GPT2_VOCAB - 1, size=million_tokens * 1_000_000, dtype=np.uint16)
+    tokens = rng.integers(0, GPT2_VOCAB - bool(doc_length), size=million_tokens * 1_000_000, dtype=np.uint16)
     if doc_length:  # documents of doc_length tokens on average, each ended by the separator
         tokens[rng.random(tokens.size) < 1 / doc_length] = GPT2_EOT
     tokens.tofile(bin_path)
@@ -72,25 +73,17 @@ def memmap_source(bin_path: Path, batch: int, block: int, device: torch.device):
         x = torch.stack([torch.from_numpy(tokens[i:i + block].astype(np.int64)) for i in ix])
         y = torch.stack([torch.from_numpy(tokens[i + 1:i + 1 + block].astype(np.int64)) for i in ix])
         if device.type == "cuda":
-            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         return x, y, {}
     return get_batch
 
 
-def project_source(config, batch: int, device: torch.device, documents: bool = False):
-    """The trainer's reader (tokstream.reader.TrainBatches), epoch after epoch; with `documents`, each
-    micro-batch's documents and positions as the model's keyword arguments (the trainer's model_inputs)."""
+def project_source(config, batch: int, device: torch.device):
+    """The trainer's reader (tokstream.reader.TrainBatches), epoch after epoch, through the trainer's model_inputs:
+    with model.attention: document, each micro-batch's documents (and positions) as the model's keyword arguments."""
     batches = TrainBatches(open_dataset(config.data), BatchPlan(batch, batch, 1), pin_memory=device.type == "cuda",
-                           max_documents=config.data.max_documents if documents else None)
-
-    def next_batch():
-        batch = next(batches)
-        inputs, targets = to_device(batch, device)
-        if not documents:
-            return inputs, targets, {}
-        return inputs, targets, {"documents": batch["documents"].to(device, non_blocking=True),
-                                 "positions": batch["positions"].to(device, non_blocking=True).long()}
-    return next_batch
+                           max_documents=max_documents(config))
+    return lambda: model_inputs(next(batches), device, config)
 
 
 def run_steps(model, optimizer, next_batch, steps: int, accumulation: int, autocast, grad_clip: float,
@@ -157,11 +150,14 @@ def main() -> None:
         device = torch.device("cuda" if use_cuda else "cpu")
         autocast = torch.autocast("cuda", dtype=getattr(torch, config.dtype)) if use_cuda else nullcontext()
 
+        def with_attention(attention: str):
+            model = dataclasses.replace(config.model, attention=attention,
+                                        positions="document" if attention == "document" else "absolute")
+            return dataclasses.replace(config, model=model)
+
         def build(attention: str) -> tuple:
             torch.manual_seed(config.seed)  # the same weights for every attention
-            model_config = dataclasses.replace(config.model, attention=attention,
-                                               positions="document" if attention == "document" else "absolute")
-            raw = GPT(model_config).to(device)
+            raw = GPT(with_attention(attention).model).to(device)
             optimizer = raw.optimizer(config.optim.lr, config.optim.weight_decay,
                                       (config.optim.beta1, config.optim.beta2), device.type)
             return raw, (torch.compile(raw) if config.compile else raw), optimizer
@@ -170,9 +166,12 @@ def main() -> None:
             sources, models = {}, {}
             for attention in args.attention:
                 name = f"attention={attention}"
-                sources[name] = project_source(config, micro, device, documents=attention == "document")
+                sources[name] = project_source(with_attention(attention), micro, device)
                 models[name] = build(attention)
         else:
+            if config.model.attention != "causal":
+                raise SystemExit("the memmap and resident sources have no documents: measure document attention "
+                                 "with --attention causal document")
             memmap = memmap_source(bin_path, micro, block, device)
             resident_batch = memmap()
             sources = {"resident (no loading)": lambda: resident_batch, "memmap get_batch": memmap,
@@ -185,8 +184,13 @@ def main() -> None:
             return run_steps(model, optimizer, sources[source], steps, accumulation, autocast,
                              config.optim.grad_clip, device, args.fetch_ahead)
 
-        for name in sources:
-            run(name, args.warmup)  # compiles
+        if args.attention:
+            for name in sources:
+                run(name, args.warmup)  # each model compiles
+        else:
+            run("resident (no loading)", args.warmup)  # compiles
+            for name in sources:
+                run(name, 1)  # each source's own first-call costs: pinned pool, streaming's threads
         totals = {name: [0.0, 0.0] for name in sources}
         for _ in range(args.rounds):
             for name in sources:

@@ -26,33 +26,40 @@ def model(attention: str = "document", positions: str = "document") -> GPT:
                            positions=positions)).eval()
 
 
-def sample(*documents: list[int], where: str = "after", continued: bool = False) -> list[int]:
-    """Block 16 + 1 tokens of these documents (each a list of ids), separated as `where` says; `continued`:
-    the first one began in the sample before (no separator of its own)."""
-    tokens = []
+BLOCK = 16
+
+
+def sample(*documents: list[int], where: str = "after", continued: bool = False) -> tuple[list[int], list[int]]:
+    """Block 16 + 1 tokens of these documents (each a list of ids), separated as `where` says (`continued`: the
+    first one began in the sample before, with no separator of its own); and, from how they were put together,
+    how many of the 16 inputs each document holds (the truth the reader's structure is checked against)."""
+    tokens, lengths = [], []
     for index, document in enumerate(documents):
         lead = where == "before" and not (index == 0 and continued)
-        tokens += ([SEP] if lead else []) + document + ([SEP] if where == "after" else [])
-    assert len(tokens) >= 17, tokens
-    return tokens[:17]
+        piece = ([SEP] if lead else []) + document + ([SEP] if where == "after" else [])
+        lengths.append(max(0, min(len(piece), BLOCK - len(tokens))))
+        tokens += piece
+    assert len(tokens) > BLOCK, tokens
+    return tokens[:BLOCK + 1], [length for length in lengths if length]
 
 
-def packed_and_alone(net: GPT, samples: list[list[int]], where: str) -> tuple[float, float]:
-    """The summed loss of the micro-batch, and the sum over its documents, each run alone."""
-    tokens = np.array(samples, dtype=np.uint16)
+def packed_and_alone(net: GPT, samples: list[tuple[list[int], list[int]]], where: str) -> tuple[float, float]:
+    """The summed loss of the micro-batch (its documents found by the reader's structure), and the sum over
+    its documents as they were put together, each run alone (positions from 0)."""
+    tokens = np.array([sample_tokens for sample_tokens, _ in samples], dtype=np.uint16)
     structure = document_structure(tokens, SEP, where, max_documents=64)
     batch = torch.from_numpy(tokens.astype(np.int64))
     inputs, targets = batch[:, :-1], batch[:, 1:]
     with torch.no_grad():
         packed = net(inputs, targets, structure["documents"].long(), structure["positions"].long()) * inputs.numel()
         alone = 0.0
-        documents = structure["documents"]
-        for document in documents.unique():
-            row = int((documents == document).any(dim=1).nonzero()[0])
-            where_ = documents[row] == document
-            length = int(where_.sum())
-            alone += float(net(inputs[row, where_][None], targets[row, where_][None], torch.zeros(1, length).long(),
-                               torch.arange(length)[None])) * length
+        for row, (_, lengths) in enumerate(samples):
+            start = 0
+            for length in lengths:
+                piece = slice(start, start + length)
+                alone += float(net(inputs[row, piece][None], targets[row, piece][None], torch.zeros(1, length).long(),
+                                   torch.arange(length)[None])) * length
+                start += length
     return float(packed), alone
 
 
@@ -83,7 +90,7 @@ def test_causal_attention_over_the_same_batch_is_not_its_documents_alone():
 def test_flex_attentions_block_mask_and_the_masked_sdpa_agree():
     """A GPU (or torch.compile) runs FlexAttention; without either, a masked SDPA: the same attention."""
     samples, where = CASES["many short ones"]
-    tokens = np.array(samples * 2, dtype=np.uint16)
+    tokens = np.array([sample_tokens for sample_tokens, _ in samples] * 2, dtype=np.uint16)
     structure = document_structure(tokens, SEP, where, max_documents=64)
     batch = torch.from_numpy(tokens.astype(np.int64))
     net = model()
@@ -100,12 +107,15 @@ def test_the_structure_of_a_micro_batch_and_more_documents_than_its_maximum():
     assert structure["positions"].tolist() == [[0, 1, 0, 1, 2, 0], [0, 1, 2, 0, 1, 2]]
     assert structure["cu_seqlens"].tolist() == [0, 2, 5, 6, 9, 12, 12, 12, 12]  # padded with the total
     assert structure["cu_seqlens"].dtype == torch.int32
+    assert structure["document_count"] == 5
     before = document_structure(tokens, SEP, "before", max_documents=8)
     assert before["documents"].tolist() == [[0, 1, 1, 1, 2, 2], [3, 3, 4, 4, 4, 4]]
+    assert before["positions"].tolist() == [[0, 0, 1, 2, 0, 1], [0, 1, 0, 1, 2, 3]]
     # more documents than max_documents: the last sequence holds the rest; indices and positions stay exact
     few = document_structure(tokens, SEP, "after", max_documents=3)
     assert few["cu_seqlens"].tolist() == [0, 2, 5, 12]
     assert few["documents"].tolist() == structure["documents"].tolist()
+    assert few["positions"].tolist() == structure["positions"].tolist()
 
 
 def test_the_reader_gives_each_micro_batch_its_documents_from_the_datasets_separator(dataset):
@@ -171,3 +181,19 @@ def test_document_attention_resumes_exactly_after_sigterm_sigkill_and_on_another
     evaluated = [(got["val_loss"], want["val_loss"]) for got, want in zip(interrupted, reference)
                  if "val_loss" in got]  # with the same attention; one a SIGTERM stopped has none
     assert len(evaluated) >= 2 and all(got == pytest.approx(want, rel=1e-4) for got, want in evaluated)
+
+
+def test_settings_and_calls_that_cannot_work_are_refused_in_one_line(dataset):
+    with pytest.raises(UserError, match="^model.dropout with model.attention=document: FlexAttention"):
+        GPT(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=8, attention="document",
+                        dropout=0.1))
+    with pytest.raises(UserError, match="^model.positions=document needs model.attention=document"):
+        GPT(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=8, positions="document"))
+    tokens = torch.ones(1, 17, dtype=torch.long)
+    with pytest.raises(UserError, match=r"needs each token's documents= \(and with positions=document"):
+        model()(tokens[:, :-1], tokens[:, 1:])
+    batches = TrainBatches(open_dataset(DataConfig(remote=str(dataset))), BatchPlan(8, 4, 1), max_documents=2)
+    with pytest.warns(UserWarning, match=r"documents, more than max_documents 2: its cu_seqlens merges the last ones"):
+        batch = next(batches)
+    assert batch["document_count"] > 2 and batch["cu_seqlens"].tolist()[-1] == batch["tokens"][:, :-1].numel()
+    batches.close()

@@ -64,7 +64,7 @@ class TrainBatches:
         self._first_sample_of_source = self.loader.dataset.sample_offset_per_stream
         # No reference back to self: a cycle would keep the loader's workers alive past the run.
         self._batches = _epoch_after_epoch(self.loader, self._first_sample_of_source if with_sources else None,
-                                           _structure(dataset, max_documents))
+                                           _documents_adder(dataset, max_documents))
         self._started = self._closed = False
 
     def samples_per_source(self, sample_ids: list[int]) -> np.ndarray:
@@ -115,15 +115,24 @@ def _source_of(first_sample_of_source: np.ndarray, sample_ids: np.ndarray) -> np
     return np.searchsorted(first_sample_of_source, sample_ids, side="right") - 1
 
 
-def _structure(dataset: Dataset, max_documents: int | None):
-    """A function adding a micro-batch's documents to it, or None."""
+def _documents_adder(dataset: Dataset, max_documents: int | None):
+    """A function that adds a micro-batch's documents (documents.py) to it, or None."""
     if max_documents is None:
         return None
     if not isinstance(max_documents, int) or isinstance(max_documents, bool) or max_documents < 1:
         raise UserError(f"max_documents must be a positive whole number, got {max_documents!r}")
     metadata = dataset.metadata[0]  # a mixture's sources share their separator (mixture.check_same_tokens)
-    return lambda batch: batch.update(document_structure(batch["tokens"].numpy(), metadata.separator_id,
-                                                         metadata.separator_position, max_documents))
+    warned = []
+
+    def add_documents(batch: dict) -> None:
+        batch.update(document_structure(batch["tokens"].numpy(), metadata.separator_id, metadata.separator_position,
+                                        max_documents))
+        if batch["document_count"] > max_documents and not warned:
+            warned.append(True)
+            warnings.warn(f"a micro-batch holds {int(batch['document_count'])} documents, more than max_documents "
+                          f"{max_documents}: its cu_seqlens merges the last ones (raise data.max_documents)",
+                          stacklevel=2)
+    return add_documents
 
 
 def _epoch_after_epoch(loader: TokenLoader, first_sample_of_source: np.ndarray | None, add_documents=None
@@ -162,7 +171,7 @@ def eval_batches(dataset: Dataset, micro_batch_size: int, world_size: int, pin_m
                                                pin_memory=pin_memory, num_workers=0, sources=[source],
                                                vocab_sizes=[metadata.vocab_size])
             if max_documents is not None:
-                loaders[source.name] = _WithDocuments(loaders[source.name], _structure(dataset, max_documents))
+                loaders[source.name] = _WithDocuments(loaders[source.name], _documents_adder(dataset, max_documents))
         elif samples:
             left_out.append(f"evaluation of {source.where} is off: its {split} split has {samples} samples, fewer "
                             f"than one micro-batch of {micro_batch_size} on each of {world_size} ranks")

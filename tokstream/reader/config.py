@@ -38,5 +38,5 @@ class DataConfig:
     validate_hash: str | None = "xxh64"  # check each downloaded shard against the index
     download_retry: int = 4
     clean_stale_shared_memory: bool = True
-    max_documents: int = 256  # per micro-batch, the padding of cu_seqlens when documents are asked for (documents.py)
+    max_documents: int = 2048  # per micro-batch, the padding of cu_seqlens when documents are asked for (documents.py)
     streams: list[StreamConfig] = field(default_factory=list)  # a mixture, instead of data.remote

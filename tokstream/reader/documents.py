@@ -6,10 +6,11 @@ position within its document (0 where a document starts, and at each sample's st
 may have begun in the sample before), and "documents", its document's index in the micro-batch (samples
 cut apart: a document spanning two samples is two). Per micro-batch: "cu_seqlens", flash-attention's
 varlen boundaries over the flattened (samples x block_size) inputs, padded to max_documents + 1 entries
-with the total so that shapes stay static under torch.compile. A micro-batch of more documents than
-max_documents keeps the first max_documents - 1 boundaries: its last sequence then holds the rest
-together ("documents" and "positions" stay exact, and so does the trainer's document attention, which
-uses them).
+with the total so that shapes stay static under torch.compile, and "document_count", how many it has.
+A micro-batch of more documents than max_documents gives only its first max_documents starts to
+cu_seqlens: its last sequence then holds all the rest together, across samples (a varlen kernel would
+attend across them; "documents" and "positions" stay exact, and so does the trainer's document
+attention, which uses them). TrainBatches warns when that happens.
 """
 
 import numpy as np
@@ -40,4 +41,4 @@ def document_structure(tokens: np.ndarray, separator_id: int, separator_position
     cu_seqlens[:len(kept)] = kept
     return {"positions": torch.from_numpy(positions.reshape(samples, length)),
             "documents": torch.from_numpy(documents.reshape(samples, length)),
-            "cu_seqlens": torch.from_numpy(cu_seqlens)}
+            "cu_seqlens": torch.from_numpy(cu_seqlens), "document_count": torch.tensor(len(boundaries))}

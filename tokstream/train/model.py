@@ -1,6 +1,7 @@
 """GPT-2: pre-LayerNorm transformer, GELU MLP, tied input/output embeddings, flash attention via SDPA;
 or attention that stays inside each document (model.attention: document) through FlexAttention's block
-mask on a GPU or under torch.compile, a masked SDPA otherwise."""
+mask when compiled on a GPU, a masked SDPA otherwise (FlexAttention has no backward on CPU, and without
+compilation it runs unfused)."""
 
 import math
 
@@ -40,9 +41,6 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(batch, length, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
         if isinstance(mask, BlockMask):
-            if dropout:
-                raise UserError("model.dropout with attention: document on this device is not supported (FlexAttention "
-                                "has no dropout): set model.dropout=0")
             y = flex_attention(q, k, v, block_mask=mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None)
@@ -97,6 +95,9 @@ class GPT(nn.Module):
         if config.positions == "document" and config.attention != "document":
             raise UserError("model.positions=document needs model.attention=document: a token would attend across "
                             "documents whose positions restart")
+        if config.attention == "document" and config.dropout:
+            raise UserError("model.dropout with model.attention=document: FlexAttention, which it uses on a GPU, has no "
+                            "dropout; set model.dropout=0")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
@@ -126,10 +127,13 @@ class GPT(nn.Module):
         """Mean cross-entropy over all positions when targets are given, else logits. With attention: document,
         `documents` (each token's document index) and, with positions: document, `positions` (within its
         document): the reader's (tokstream.reader, max_documents). `flex`: FlexAttention's block mask (default:
-        on a GPU or when compiled) rather than a masked SDPA."""
+        when compiled on a GPU) rather than a masked SDPA."""
         mask = None
         if self.config.attention == "document":
-            flex = (idx.is_cuda or torch.compiler.is_compiling()) if flex is None else flex
+            if documents is None or (self.config.positions == "document" and positions is None):
+                raise UserError("model.attention=document needs each token's documents= (and with positions=document "
+                                "its positions=): TrainBatches(max_documents=...) gives them")
+            flex = (idx.is_cuda and torch.compiler.is_compiling()) if flex is None else flex
             mask = document_mask(documents, flex)
         if self.config.positions == "absolute":
             positions = torch.arange(idx.shape[1], device=idx.device)

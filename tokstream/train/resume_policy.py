@@ -24,7 +24,7 @@ FREE = ("run_dir", "run_local", "log_interval", "eval_interval", "eval_batches",
         "device", "compile", "deterministic", "micro_batch_size",
         "data.remote", "data.local", "data.val_split", "data.num_workers", "data.prefetch_factor",
         "data.predownload", "data.cache_limit", "data.validate_hash", "data.download_retry",
-        "data.clean_stale_shared_memory", "data.streams.*.remote", "data.streams.*.local", "data.streams.*.name")
+        "data.clean_stale_shared_memory", "data.max_documents", "data.streams.*.remote", "data.streams.*.local", "data.streams.*.name")
 FIXED = {
     "model.*": "the checkpoint's weights have the saved architecture",
     "global_batch_size": "each step's samples and the LR schedule's steps depend on it",

@@ -198,10 +198,10 @@ def settle_gradient_buckets(model: DDP, optimizer: torch.optim.Optimizer, config
     tokens = torch.zeros(config.micro_batch_size, config.model.block_size + 1, dtype=torch.long)
     batch = {"tokens": tokens, "documents": torch.zeros(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.int32),
              "positions": torch.arange(tokens.shape[1] - 1, dtype=torch.int32).expand(tokens.shape[0], -1)}
-    inputs, targets, documents = model_inputs(batch, device, config)
+    inputs, targets, document_args = model_inputs(batch, device, config)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         with autocast:
-            loss = model(inputs, targets, **documents)
+            loss = model(inputs, targets, **document_args)
         loss.backward()
     optimizer.zero_grad(set_to_none=True)
 
@@ -216,10 +216,10 @@ def model_inputs(batch: dict, device: torch.device, config: TrainConfig) -> tupl
     inputs, targets = to_device(batch, device)
     if config.model.attention != "document":
         return inputs, targets, {}
-    documents = {"documents": batch["documents"].to(device, non_blocking=True)}
+    document_args = {"documents": batch["documents"].to(device, non_blocking=True)}
     if config.model.positions == "document":
-        documents["positions"] = batch["positions"].to(device, non_blocking=True).long()
-    return inputs, targets, documents
+        document_args["positions"] = batch["positions"].to(device, non_blocking=True).long()
+    return inputs, targets, document_args
 
 
 def hold_the_lease(store: RunStore, interval_s: float, dist: Distributed) -> RunLease | None:
@@ -303,11 +303,11 @@ def train(config: TrainConfig) -> bool:
             waited = time.perf_counter()
             batch = next(run.batches)
             data_wait += time.perf_counter() - waited
-            inputs, targets, documents = model_inputs(batch, dist.device, config)
+            inputs, targets, document_args = model_inputs(batch, dist.device, config)
             sample_ids.extend(batch["ids"].tolist())
             last = micro == accumulation - 1
             with nullcontext() if last or not dist.enabled else model.no_sync(), run.autocast:
-                loss = model(inputs, targets, **documents) / accumulation  # gradients all-reduced on the last one
+                loss = model(inputs, targets, **document_args) / accumulation  # gradients all-reduced on the last one
             loss.backward()
             loss_sum += loss.detach()
         if config.optim.grad_clip > 0:
@@ -399,9 +399,9 @@ def evaluate(run: Run) -> dict[str, float] | None:
             if run.preemption.should_stop():
                 preempted = True
                 break
-            inputs, targets, documents = model_inputs(batch, run.dist.device, run.config)
+            inputs, targets, document_args = model_inputs(batch, run.dist.device, run.config)
             with run.autocast:
-                total[0] += run.model(inputs, targets, **documents).float()
+                total[0] += run.model(inputs, targets, **document_args).float()
             total[1] += 1
         if preempted:
             break
