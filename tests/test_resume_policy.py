@@ -35,7 +35,7 @@ def test_execution_settings_change_freely_and_are_reported():
     "background_checkpoints=false", "preempt_grace_s=120", "lease_interval_s=5", "trace_samples=true",
     "device=auto", "deterministic=true", "data.remote=/moved", "data.val_split=validation", "data.prefetch_factor=4",
     "data.predownload=64", "data.cache_limit=10gb", "data.validate_hash=null", "data.download_retry=9",
-    "data.clean_stale_shared_memory=false"])
+    "data.clean_stale_shared_memory=false", "data.max_documents=4096"])
 def test_every_free_setting_changes_and_is_said(setting):
     """Each of resume_policy.FREE (those not in the test above), changed alone: accepted, in one line."""
     key, _, value = setting.partition("=")
