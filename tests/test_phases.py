@@ -116,6 +116,9 @@ def test_a_recipe_that_cannot_be_read_exactly_is_refused_at_start_in_one_line(da
 
 def test_tokens_count_each_phases_batch_and_block(data):
     recipe = Recipe.open(phased(data), 1)
+    assert recipe.unreached(20) == [] and recipe.unreached(13) == [
+        "phases.4 starts at step 14, at or after max_steps 13: it will not run (a relaunch with a larger max_steps "
+        "reaches it)"]
     assert [recipe.block_size(p) for p in recipe.phases] == [64, 64, 128, 64, 128]
     assert recipe.tokens_before(0) == 0
     assert recipe.tokens_before(6) == 6 * 4 * 64

@@ -191,6 +191,12 @@ class Recipe:
                              f"{phase.name}'s data: " + line.replace(" steps: ", f" steps of {unit} samples: ", 1))
         return lines
 
+    def unreached(self, max_steps: int) -> list[str]:
+        """A line for each phase that starts at or after max_steps: it is checked, but will not run."""
+        return [f"{phase.name} starts at step {phase.start_step}, at or after max_steps {max_steps}: it will not run "
+                "(a relaunch with a larger max_steps reaches it)" for phase in self.phases if phase.start_step >= max_steps
+                and phase.index]
+
     def check_resumes(self, saved_identities: list[str], step: int) -> None:
         """Refuse to resume if a phase that has started by `step` would read other data than it did."""
         for phase, identity in zip(self.phases, saved_identities):

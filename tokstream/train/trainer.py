@@ -70,7 +70,7 @@ def setup(config: TrainConfig) -> Run:
     dist = Distributed.start(config.device)
     in_tokens(config)  # refuses half a token schedule
     recipe = Recipe.open(config, dist.world)
-    for line in recipe.describe_epochs():  # refuses a split too small for one step
+    for line in recipe.describe_epochs() + recipe.unreached(config.max_steps):  # refuses a split too small
         if dist.master:
             print(line)
     store = open_run_store(config.run_dir, config.run_local, check_writable=dist.master)
