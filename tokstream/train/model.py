@@ -71,6 +71,9 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+# Built outside the compiled graph: tracing create_block_mask inside a compiled forward is fragile across torch
+# versions, and a BlockMask passed into the compiled attention is FlexAttention's documented use.
+@torch.compiler.disable
 def document_mask(documents: torch.Tensor, flex: bool) -> torch.Tensor | BlockMask:
     """Causal attention within each document, from each token's document index (batch, length)."""
     batch, length = documents.shape
