@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from tokstream.errors import DamagedData
-from tokstream.format import parse_column_encoding, shard_samples
+from tokstream.format import parse_column_encoding, shard_sample_count, shard_samples
 from tokstream.reader import streaming_door
 from tokstream.reader.streaming_door import streaming_internals as internals
 from tokstream.reader.stale_shm import record_owner, release_owner
@@ -187,8 +187,12 @@ class TokenDataset(internals.WindowedDownloadAhead):
                 rows.append(view[index])
             else:
                 rows.append(super().get_item(sample_id)["tokens"])
-                if self.vocab_sizes is not None:
-                    self._check(shard_id, internals.shard_file(self, shard_id), largest=int(rows[-1].max()))
+                path = internals.shard_file(self, shard_id)
+                # Once fetched, its header must count the index's samples, as a mapped shard's does (_map_shard):
+                # a rank that read it this way, while another prepared it, refuses it as that rank does.
+                problem = sample_count_problem(shard_sample_count(path), self.shards[shard_id].samples)
+                self._check(shard_id, path, problem,
+                            largest=int(rows[-1].max()) if self.vocab_sizes is not None else None)
         return rows
 
     def get_batch(self, sample_ids: list[int]) -> dict:

@@ -8,7 +8,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from tokstream.errors import UserError
 from tokstream.train.config import ModelConfig
@@ -34,13 +33,15 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         """`mask`: None (causal), a boolean (batch, 1, length, length) mask, or a FlexAttention BlockMask."""
         batch, length, channels = x.shape
         q, k, v = self.qkv(x).split(channels, dim=2)
         q, k, v = (t.view(batch, length, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
-        if isinstance(mask, BlockMask):
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask
+            from torch.nn.attention.flex_attention import flex_attention  # imports dynamo: only when used
+
             y = flex_attention(q, k, v, block_mask=mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None)
@@ -66,18 +67,18 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
-# Built outside the compiled graph: tracing create_block_mask inside a compiled forward is fragile across torch
-# versions, and a BlockMask passed into the compiled attention is FlexAttention's documented use.
-@torch.compiler.disable
-def document_mask(documents: torch.Tensor, flex: bool) -> torch.Tensor | BlockMask:
-    """Causal attention within each document, from each token's document index (batch, length)."""
+def document_mask(documents: torch.Tensor, flex: bool):
+    """Causal attention within each document, from each token's document index (batch, length): a boolean mask,
+    or with `flex` a FlexAttention BlockMask. GPT.__init__ keeps it out of a compiled graph."""
     batch, length = documents.shape
     if flex:
+        from torch.nn.attention.flex_attention import create_block_mask  # imports dynamo: only when used
+
         def same_document_before(b, h, q, kv):
             return (documents[b, q] == documents[b, kv]) & (q >= kv)
         return create_block_mask(same_document_before, batch, None, length, length, device=documents.device)
@@ -102,6 +103,11 @@ class GPT(nn.Module):
             raise UserError("model.dropout with model.attention=document: FlexAttention, which it uses on a GPU, has no "
                             "dropout; set model.dropout=0")
         self.config = config
+        if config.attention == "document":
+            # Built outside the compiled graph: tracing create_block_mask inside a compiled forward is fragile
+            # across torch versions, and a BlockMask passed into compiled attention is FlexAttention's documented
+            # use. Made here, not at import: torch.compiler.disable imports dynamo (seconds of every start-up).
+            self.document_mask = torch.compiler.disable(document_mask)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
@@ -137,7 +143,7 @@ class GPT(nn.Module):
                 raise UserError("model.attention=document needs each token's documents= (and with positions=document "
                                 "its positions=): TrainBatches(max_documents=...) gives them")
             flex = (idx.is_cuda and torch.compiler.is_compiling()) if flex is None else flex
-            mask = document_mask(documents, flex)
+            mask = self.document_mask(documents, flex)
         if self.config.positions == "absolute":
             positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(positions))
