@@ -61,26 +61,32 @@ def run_cli(main: Callable[[], int | None], *, sigterm_interrupts: bool = True, 
     try:
         status = main()
     except DamagedData as err:
-        print(f"error: {err}", file=sys.stderr)
+        _say(f"error: {err}")
         sys.exit(2)
     except (UserError, StoreError, WorkLost) as err:
         if report:
-            print(f"error: {err}", file=sys.stderr)
+            _say(f"error: {err}")
         sys.exit(2)
     except NoSpace as err:
-        print(f"error: {err}", file=sys.stderr)
+        _say(f"error: {err}")
         sys.exit(2)
     except OSError as err:
         if not out_of_space(err):
             raise
-        print(f"error: {no_space(err.filename or 'a file this command writes', err)}: free space there, or point "
-              "the command at another disk", file=sys.stderr)
+        _say(f"error: {no_space(err.filename or 'a file this command writes', err)}: free space there, or point "
+             "the command at another disk")
         sys.exit(2)
     except KeyboardInterrupt:
         if report:
-            print(interrupted, file=sys.stderr)
+            _say(interrupted)
         sys.exit(130)
     sys.exit(status or 0)
+
+
+def _say(line: str) -> None:
+    """One line to stderr in one write: lines several ranks print at once (a damaged shard) stay whole."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

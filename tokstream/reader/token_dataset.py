@@ -190,7 +190,10 @@ class TokenDataset(internals.WindowedDownloadAhead):
                 path = internals.shard_file(self, shard_id)
                 # Once fetched, its header must count the index's samples, as a mapped shard's does (_map_shard):
                 # a rank that read it this way, while another prepared it, refuses it as that rank does.
-                problem = sample_count_problem(shard_sample_count(path), self.shards[shard_id].samples)
+                try:
+                    problem = sample_count_problem(shard_sample_count(path), self.shards[shard_id].samples)
+                except FileNotFoundError:  # evicted already (a cache_limit): checked when it is mapped
+                    problem = None
                 self._check(shard_id, path, problem,
                             largest=int(rows[-1].max()) if self.vocab_sizes is not None else None)
         return rows
