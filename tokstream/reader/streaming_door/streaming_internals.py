@@ -521,9 +521,10 @@ def cache_full(dataset: StreamingDataset, shard_id: int) -> str:
     # about 4 per reader process of the node.
     worker = get_worker_info()
     readers = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) * (worker.num_workers if worker else 1)
-    # Other readers' downloads in flight take disk space that cache_usage counts only once they are done:
-    # counted here, every rank that meets the full disk suggests the same limit.
-    held = int(dataset.cache_usage) + bytes_being_downloaded(cache)
+    # From the disk, not streaming's cache_usage, which counts a shard only once its reader has recorded it
+    # (a download in flight, or just renamed into place, is not yet counted): a rank that met the full disk
+    # in that window suggested a lower limit, or none. So every rank that meets it suggests the same.
+    held = bytes_in_cache(cache)
     limit = free + held - other_splits_to_fetch(dataset) - 4 * readers * largest
     hint = (f"set data.cache_limit to at most {size_setting(limit)} (the least recently used shards are "
             "then evicted to stay under it, leaving room for the other splits and the downloads in flight), "
@@ -533,15 +534,16 @@ def cache_full(dataset: StreamingDataset, shard_id: int) -> str:
             f"fit in the {size_setting(free)} free there; {hint}")
 
 
-def bytes_being_downloaded(cache: str) -> int:
-    """The bytes of the partial files (stock downloaders' `<file>.tmp`) in a split's cache directory."""
+def bytes_in_cache(cache: str) -> int:
+    """The bytes a split's cache directory holds on disk now: its shards, and the partial files of downloads
+    in flight (stock downloaders' `<file>.tmp`), whichever reader writes them."""
     total = 0
     for entry in os.scandir(cache):
-        if entry.name.endswith(".tmp"):
-            try:
+        try:
+            if entry.is_file(follow_symlinks=False):
                 total += entry.stat().st_size
-            except FileNotFoundError:  # finished (renamed) or undone meanwhile
-                pass
+        except FileNotFoundError:  # evicted, renamed or undone meanwhile
+            pass
     return total
 
 
