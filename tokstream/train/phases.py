@@ -40,6 +40,11 @@ class Phase:
         return f"phases.{self.index}"
 
 
+def started(phase: Phase, step: int) -> bool:
+    """Whether a run at `step` (steps done) has trained in `phase`: phase 0 always has."""
+    return phase.index == 0 or phase.start_step < step
+
+
 def resolve_phases(config: TrainConfig) -> list[Phase]:
     """The run's phases, each setting resolved (unset: the previous phase's); without `phases`, one phase:
     the run's global_batch_size and data from step 0."""
@@ -132,9 +137,6 @@ class Recipe:
             if not self.ended(phase, step):
                 self.reader_plan(phase)
 
-    def started(self, phase: Phase, step: int) -> bool:
-        """Whether a run at `step` (steps done) has trained in `phase`: phase 0 always has."""
-        return phase.index == 0 or phase.start_step < step
 
     def ended(self, phase: Phase, step: int) -> bool:
         """Whether a run at `step` (steps done) is past `phase`: the next phase starts by then."""
@@ -200,7 +202,7 @@ class Recipe:
     def check_resumes(self, saved_identities: list[str], step: int) -> None:
         """Refuse to resume if a phase that has started by `step` would read other data than it did."""
         for phase, identity in zip(self.phases, saved_identities):
-            if not self.started(phase, step):
+            if not started(phase, step):
                 break
             try:
                 self.dataset(phase).check_resumes(identity)

@@ -17,7 +17,7 @@ from fnmatch import fnmatch
 
 from tokstream.errors import UserError
 from tokstream.train.config import TrainConfig, config_from_dict
-from tokstream.train.phases import Phase, resolve_phases
+from tokstream.train.phases import Phase, resolve_phases, started
 
 FREE = ("run_dir", "run_local", "log_interval", "eval_interval", "eval_batches", "checkpoint_interval",
         "keep_checkpoints", "background_checkpoints", "preempt_grace_s", "lease_interval_s", "trace_samples",
@@ -115,8 +115,8 @@ def check_phases(saved: dict, config: TrainConfig, step: int) -> list[str]:
     """Refuse an edit of a phase that has started by `step` (phase 0 always has); one line for edits of the
     phases after it."""
     old, new = resolve_phases(config_from_dict(saved)), resolve_phases(config)
-    started_old = [p for p in old if p.index == 0 or p.start_step < step]
-    started_new = [p for p in new if p.index == 0 or p.start_step < step]
+    started_old = [p for p in old if started(p, step)]
+    started_new = [p for p in new if started(p, step)]
     keep = (f"a phase that has started or ended keeps its recipe; edit only phases that start after step {step}, "
             "or use a new run_dir")
     for index in range(max(len(started_old), len(started_new))):
