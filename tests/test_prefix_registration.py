@@ -9,11 +9,14 @@ then tries to claim the same number, as jobs that a scheduler starts in a sweep 
 """
 
 import json
+import os
+import shlex
 import subprocess
 import sys
 import threading
 
-from conftest import ROOT
+import pytest
+from conftest import ROOT, namespaces_permitted
 
 JOB_RANK = """
 import json, os, sys, time
@@ -90,3 +93,40 @@ def test_jobs_started_together_each_register_their_own_prefix(dataset, tmp_path)
     assert len({first_batches[job, 0] for job in range(JOBS)}) == 1
     assert len({first_batches[job, 1] for job in range(JOBS)}) == 1
     assert first_batches[0, 0] != first_batches[0, 1]
+
+
+LEFTOVER = """
+import json, sys
+from multiprocessing.shared_memory import SharedMemory
+from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
+
+dataset = open_dataset(DataConfig(remote=sys.argv[1]))
+live = TrainBatches(dataset, BatchPlan(4, 4, 1))  # prefix 0, not yet read nor resumed: no lock files, no resume block
+# Prefix 1's resume block, all that is left of a job whose rank that created it is still releasing it.
+state = json.dumps({"epoch": 0, "sample_in_epoch": 40, "num_canonical_nodes": 1, "shuffle_seed": 9176,
+                    "initial_physical_nodes": 1}).encode()
+leftover = SharedMemory("000001_resume", create=True, size=len(state))
+leftover.buf[:len(state)] = state
+fresh = TrainBatches(dataset, BatchPlan(4, 4, 1))
+seen = [next(live)["ids"].tolist() for _ in range(11)]
+print(json.dumps({"first": seen[0], "eleventh": seen[10], "fresh": next(fresh)["ids"].tolist()}))
+fresh.close(), live.close()
+leftover.close(), leftover.unlink()
+"""
+
+
+@pytest.mark.skipif(not namespaces_permitted(), reason="namespaces are not permitted here (unshare --ipc --mount)")
+def test_a_new_reader_takes_no_prefix_where_another_datasets_block_is_left(dataset, tmp_path):
+    """Datasets release their blocks when they close, each process those it created, so a job's first rank may
+    be done while another rank still holds a block of its prefix. A new reader must not take that prefix:
+    stock's scan (per kind of block, the largest lowest-free) took it whenever a lower live prefix lacked that
+    kind, and the new reader then read the other's resume state and started mid-epoch. In a /dev/shm and
+    temp directory of its own, so that the prefixes are these alone."""
+    (tmp_path / "tmp").mkdir()
+    script = shlex.join([sys.executable, "-c", LEFTOVER, str(dataset)])
+    done = subprocess.run(["unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c",
+                           f"mount -t tmpfs node-shm /dev/shm && {script}"], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path / "tmp")), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    read = json.loads(done.stdout.strip().splitlines()[-1])
+    assert read["fresh"] == read["first"] != read["eleventh"]

@@ -15,6 +15,8 @@ one all_gather instead of scanning themselves. Put in streaming's place when thi
 (through streaming_internals.py).
 """
 
+import os
+
 import torch.distributed as dist
 
 from tokstream.reader.streaming_door import streaming_internals as internals
@@ -46,13 +48,18 @@ def get_shm_prefix_claimed(streams_local: list[str], streams_remote: list[str | 
 
 def _claim(streams_local: list[str], streams_remote: list[str | None], retry: int) -> tuple[int, internals.SharedMemory]:
     """Create the `locals` block of the lowest free prefix; if another job creates it between our scan and
-    our creation, scan again (each retry means another dataset registered, so this ends)."""
+    our creation, or a block of another dataset appeared there meanwhile (a rank of a job that ends, still
+    releasing it), give it up and scan again (each retry means another dataset registered or is still
+    there, so this ends)."""
     while True:
         prefix = internals.first_free_prefix(streams_local, streams_remote, retry)
         data = internals.locals_block(streams_local, prefix)
         try:
             block = internals.SharedMemory(internals.locals_block_name(prefix), True, len(data))
         except FileExistsError:
+            continue
+        if internals.other_blocks_of(prefix):
+            internals.release_shared_memory([block], os.getpid())
             continue
         block.buf[:len(data)] = data
         return prefix, block

@@ -137,45 +137,59 @@ SHM_DIR = Path("/dev/shm")
 
 
 def first_free_prefix(streams_local: list[str], streams_remote: list[str | None], retry: int) -> int:
-    """Stock's scan (streaming.base.shared.prefix's, retrying): the lowest prefix no block or lock file uses;
-    raises if a running dataset uses one of our cache directories (with a remote), as stock does, after
-    `retry` ticks. Checks our own directories for duplicates first.
+    """The lowest prefix that no block and no lock file uses; raises if a running dataset uses one of our cache
+    directories (with a remote), as stock's scan (streaming.base.shared.prefix) does, after `retry` ticks.
+    Checks our own directories for duplicates first.
 
-    Stock attaches to every block it passes with a SharedMemory whose cleanup it registers with atexit: two
-    file descriptors per block, kept until the process exits. Each dataset made then scans past all others'
-    blocks on the node, so a process that makes many (a test process) ran out of descriptors, quadratically.
-    Here the blocks are looked up by name in /dev/shm, and a locals block is read as a file."""
+    Stock takes, for each kind of block, the lowest prefix without that kind, and the largest of those: a
+    prefix still holding some block of another dataset could be taken. Since datasets release their blocks
+    when they close (each process the blocks it created: a job's first rank may close before its others),
+    a new dataset could attach to a block being released and read another's state, such as its next epoch,
+    and start in another epoch than its resume state. Stock also attaches to every block it passes, with a
+    cleanup registered with atexit: two file descriptors per block until exit, quadratic in a process that
+    makes many datasets. Here /dev/shm is read by name, and a locals block as a file."""
     _check_self(streams_local)
     for attempt in range(1 + retry):
         try:
-            return max(_free_prefix(streams_local, streams_remote, name) for name in SHM_TO_CLEAN)
+            return _free_prefix(streams_local, streams_remote)
         except ValueError:
             if attempt == retry:
                 raise
             time.sleep(TICK)
 
 
-def _free_prefix(streams_local: list[str], streams_remote: list[str | None], block: str) -> int:
-    """Stock's scan for one kind of block, step for step, without attaching to the blocks."""
+def _free_prefix(streams_local: list[str], streams_remote: list[str | None]) -> int:
+    used = prefixes_in_shared_memory()
     prefix = 0
     while True:
         locks = (Path(gettempdir(), _get_path(prefix, lock)) for lock in (BARRIER_FILELOCK, CACHE_FILELOCK))
-        try:
-            if any(lock.exists() for lock in locks):
-                prefix += 1
-                continue
-            path = SHM_DIR / _get_path(prefix, block).lstrip("/")
-            data = path.read_bytes() if block == LOCALS else path.stat()
-        except PermissionError:
-            prefix += 1
-            continue
-        except FileNotFoundError:
+        if prefix not in used and not any(lock.exists() for lock in locks):
             return prefix
-        if block == LOCALS and any(streams_remote):
-            theirs = locals_of_block(data)
+        if prefix in used and any(streams_remote):
+            try:
+                theirs = locals_of_block((SHM_DIR / _get_path(prefix, LOCALS).lstrip("/")).read_bytes())
+            except (FileNotFoundError, PermissionError):
+                theirs = []
             if any(local in theirs and remote is not None for local, remote in zip(streams_local, streams_remote)):
                 raise ValueError(f"Reused local directory: {streams_local} vs {theirs}. Provide a different one.")
         prefix += 1
+
+
+def prefixes_in_shared_memory(names: list[str] | None = None) -> set[int]:
+    """The prefixes that some block of streaming's kinds in /dev/shm (or among `names`) belongs to."""
+    found = set()
+    for name in os.listdir(SHM_DIR) if names is None else names:
+        number, _, kind = name.partition("_")
+        if kind in SHM_BLOCK_SUFFIXES and len(number) == 6 and number.isdigit():
+            found.add(int(number))
+    return found
+
+
+def other_blocks_of(prefix: int) -> list[str]:
+    """The blocks of `prefix` in /dev/shm other than its locals block."""
+    start = f"{prefix:06d}_"
+    return [name for name in os.listdir(SHM_DIR) if name.startswith(start) and name[len(start):] in SHM_BLOCK_SUFFIXES
+            and name[len(start):] != LOCALS]
 
 
 def shared_memory_blocks(dataset: StreamingDataset) -> list[SharedMemory]:
