@@ -3,6 +3,7 @@ of the project with the extra of the streaming the set runs (and the test extra)
 installed, so installing the project there would replace no torch, numpy or streaming of the user's."""
 
 import importlib.metadata
+import importlib.util
 import sys
 import tomllib
 
@@ -20,6 +21,8 @@ def test_every_requirement_is_met_by_what_this_environment_has():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     requirements = [*project["dependencies"], *extras[EXTRA[streaming_distribution()]], *extras["test"]]
+    if importlib.util.find_spec("grain") is not None:  # the main set has the grain extra too
+        requirements += extras["grain"]
     assert sys.version_info[:2] >= (3, 11) and project["requires-python"] == ">=3.11"
     unmet = []
     for line in requirements:

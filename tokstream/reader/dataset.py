@@ -1,21 +1,18 @@
 """A converted dataset (or a mixture's sources) opened for reading: index files fetched, checked against
 the metadata and the model, and its identity (a resumed run must read the very same samples)."""
 
-import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokstream.errors import UserError
-from tokstream.format import (METADATA_FILE, DatasetMetadata, check_compatible, read_metadata, shard_sample_count,
-                              stored_file)
+from tokstream.format import METADATA_FILE, DatasetMetadata, check_compatible, read_metadata
 from tokstream.reader import mixture
 from tokstream.reader.batch_plan import BatchPlan
 from tokstream.reader.config import DataConfig
 from tokstream.reader.mixture import Source
-from tokstream.reader.token_dataset import damaged_shard, sample_count_problem
+from tokstream.split_check import check_split, dataset_identity
 
 
 def is_remote(path: str) -> bool:
@@ -65,43 +62,6 @@ def fetch_index_files(source: Source, splits: tuple[str, ...]) -> Path:
             store.download(relative, temporary)
             os.replace(temporary, target)
     return root
-
-
-def check_split(root: Path, split: str, metadata: DatasetMetadata, dataset: str, local_files: bool) -> None:
-    """A split's index.json against the metadata's count and, with `local_files` (a local dataset), every
-    shard it names against the file: its size (hashes are convert/verify.py's job) and, uncompressed, the
-    sample count in its header (4 bytes read; a compressed shard's is checked when the reader maps it).
-    A stale count is named here, not found as epochs of repeats or an IndexError deep in a reader."""
-    index = root / split / "index.json"
-    if not index.is_file():
-        raise UserError(f"{index} is missing: the {split} split's conversion never finished; reconvert it")
-    try:
-        shards = json.loads(index.read_text())["shards"]
-        indexed = sum(shard["samples"] for shard in shards)
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise UserError(f"{index} is damaged ({type(err).__name__}: {err}); reconvert the split") from None
-    if metadata.splits[split].samples != indexed:
-        raise UserError(f"{dataset}/{METADATA_FILE} says the {split} split has {metadata.splits[split].samples} "
-                        f"samples, its index.json {indexed}: one of them is stale or hand-edited; python "
-                        f"convert/verify.py {dataset} checks the dataset, reconverting repairs it")
-    if not local_files:  # remote shards are checked against their hashes as they arrive, and when mapped
-        return
-    for shard in shards:
-        stored = stored_file(shard)
-        path = root / split / stored["basename"]
-        size = path.stat().st_size if path.is_file() else None
-        if size != stored["bytes"]:
-            raise UserError(damaged_shard(path, "is missing" if size is None else
-                                          f"has {size} bytes, the index says {stored['bytes']}", dataset))
-        if shard["zip_data"] is None and (problem := sample_count_problem(shard_sample_count(path), shard["samples"])):
-            raise UserError(damaged_shard(path, problem, dataset))
-
-
-def dataset_identity(root: Path, split: str) -> str:
-    """Digest of the metadata and the split's index: a resumed run must see the very same samples."""
-    digest = hashlib.sha256(Path(root, METADATA_FILE).read_bytes())
-    digest.update(Path(root, split, "index.json").read_bytes())
-    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -21,19 +21,9 @@ from tokstream.reader import streaming_door
 from tokstream.reader.streaming_door import streaming_internals as internals
 from tokstream.reader.stale_shm import record_owner, release_owner
 from tokstream.reader.transfer_ring import TransferRing
+from tokstream.split_check import damaged_shard, sample_count_problem
 
 _TORCH_DTYPE = {np.dtype(np.uint16): torch.uint16, np.dtype(np.uint32): torch.uint32}
-
-
-def damaged_shard(path: object, problem: str, dataset: str) -> str:
-    """The one line for a shard that is not what its dataset's index and metadata say."""
-    return (f"shard {path} {problem}: the dataset is damaged; python convert/verify.py {dataset} checks every shard, "
-            "reconverting repairs it")
-
-
-def sample_count_problem(held: int, indexed: int) -> str | None:
-    """A shard must hold the samples its index entry counts: streaming reads up to that count."""
-    return None if held == indexed else f"holds {held} samples, the index says {indexed}"
 
 
 # Read in pieces of this size by largest_token: a whole shard's pages would otherwise be mapped in.
