@@ -36,14 +36,10 @@ def main() -> None:
         print(f"  {name:5s} {stats.documents:>10,} docs {stats.tokens:>14,} tokens {split.samples:>11,} samples "
               f"{split.shards:>5} shards {split.bytes / 1e6:>9.1f} MB")
     if args.decode is not None:
-        from tokstream.tokenizer import load_tokenizer
+        from tokstream.tokenizer import dataset_tokenizer
 
         tokens = read_sample(args.root, args.split, args.decode)
-        tokenizer = load_tokenizer(args.tokenizer or meta.tokenizer, args.ranks_file)
-        if meta.tokenizer_sha256 and tokenizer.sha256 != meta.tokenizer_sha256:
-            raise UserError(f"{args.tokenizer or meta.tokenizer} is not the tokenizer {args.root} was converted "
-                            f"with (sha256 {tokenizer.sha256[:12]}, the metadata says {meta.tokenizer_sha256[:12]})")
-        text = tokenizer.decode(tokens.tolist())
+        text = dataset_tokenizer(meta, args.root, args.tokenizer, args.ranks_file).decode(tokens.tolist())
         print(f"--- {args.split} sample {args.decode} ({len(tokens)} tokens) ---\n{text}")
     for problem in report.problems:
         print(f"PROBLEM {problem}", file=sys.stderr)

@@ -3,7 +3,8 @@ the config and the step alone, resumed exactly across the boundaries; the relaun
 
 In process, the trainer's loop over PhasedBatches (WORLD_SIZE 1) shows what a boundary does to each stream's
 order, as the README's "Phases" says it. Through torchrun, an interruption schedule across every kind of
-boundary is compared with an uninterrupted run, and configs/tiny-phases.yaml runs on the real corpora.
+boundary is compared with an uninterrupted run (and with what the ledger says each step read), and
+configs/tiny-phases.yaml runs on the real corpora.
 """
 
 import os
@@ -15,6 +16,7 @@ import time
 
 import pytest
 from conftest import ROOT, SHARED
+from test_ledger import json_lines, ledger
 from test_training import launch, metrics, tiny_splits, train, wait_for
 
 from tokstream.errors import UserError
@@ -335,6 +337,17 @@ def test_an_interruption_at_every_kind_of_boundary_resumes_exactly(tmp_path):
     consumed = reference[-1]["consumed"]  # per dataset: b is counted as one source, read alone and in the mixture
     assert set(consumed) == {"ds", "b", "c"} and consumed["ds"] == {"samples": 80, "tokens": 80 * 64}
     assert consumed["b"]["samples"] + consumed["c"]["samples"] == 32 + 64
+
+    # The ledger (train/ledger.py), from the run's checkpoint and metrics alone, names each rank's samples of
+    # every step as the interrupted run traced them, on the world size each launch had.
+    answered = json_lines(ledger(run_dir, "--steps", f"1:{SCHEDULE_STEPS}", "--json"))
+    assert [line["samples"] for line in answered] == [m["samples"] for m in interrupted]
+    assert [line["ranks"] for line in answered] == [len(m["samples"]) for m in interrupted]
+    assert {line["ranks"] for line in answered} == {1, 2} and all(line["recorded"] for line in answered)
+    for line, traced in zip(answered, interrupted):
+        names = [name for rank in line["sources"] for name, _ in rank]
+        assert {name: names.count(name) for name in set(names)} == (traced.get("samples_per_source")
+                                                                    or {names[0]: len(names)}), line["step"]
 
 
 def test_the_phases_example_config_runs_on_the_real_corpora(tmp_path):

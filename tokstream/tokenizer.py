@@ -202,3 +202,13 @@ def load_tokenizer(source: str | TokenizerSpec = "gpt2", ranks_file: str | None 
     if "/" in spec.source and not spec.ranks_file:  # owner/name: a hub repository
         return HuggingFaceTokenizer(spec, _hub_tokenizer_file(spec.source))
     return TiktokenTokenizer(spec)
+
+
+def dataset_tokenizer(metadata, where: str, source: str | None = None, ranks_file: str | None = None) -> Tokenizer:
+    """The tokenizer a dataset was converted with, to decode its samples: the one its metadata names, or
+    `source`; refused if its file is not the one the metadata records."""
+    tokenizer = load_tokenizer(source or metadata.tokenizer, ranks_file)
+    if metadata.tokenizer_sha256 and tokenizer.sha256 != metadata.tokenizer_sha256:
+        raise UserError(f"{source or metadata.tokenizer} is not the tokenizer {where} was converted with (sha256 "
+                        f"{tokenizer.sha256[:12]}, the metadata says {metadata.tokenizer_sha256[:12]})")
+    return tokenizer

@@ -27,7 +27,8 @@ from tokstream.reader.batch_plan import BatchPlan  # noqa: E402
 from tokstream.reader.batches import TrainBatches, eval_batches, to_device  # noqa: E402
 from tokstream.reader.config import DataConfig, StreamConfig  # noqa: E402
 from tokstream.reader.dataset import Dataset, open_dataset  # noqa: E402
+from tokstream.reader.sample_order import SampleOrder  # noqa: E402
 from tokstream.reader.stale_shm import remove_stale_shared_memory  # noqa: E402
 
-__all__ = ["BatchPlan", "DataConfig", "Dataset", "StreamConfig", "TrainBatches", "eval_batches", "open_dataset",
-           "remove_stale_shared_memory", "to_device"]
+__all__ = ["BatchPlan", "DataConfig", "Dataset", "SampleOrder", "StreamConfig", "TrainBatches", "eval_batches",
+           "open_dataset", "remove_stale_shared_memory", "to_device"]

@@ -204,6 +204,18 @@ def config_from_dict(saved: dict) -> TrainConfig:
     return config
 
 
+def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
+    """`key=value` settings (values parsed as YAML) over `config`, in place."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise UserError(f"override {item!r} is not key=value")
+        value = _parse_yaml(raw, f"override {item!r}: {raw!r}",
+                            "quote a string YAML would misread inside the argument, e.g. 'key=\"[a\"'") if raw else None
+        _apply(config, key.strip(), value, "command line")
+    return config
+
+
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     """Defaults, then the YAML file, then `key=value` overrides (values parsed as YAML)."""
     config = TrainConfig()
@@ -215,13 +227,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
             raise UserError(f"config file {path} holds a {type(loaded).__name__}, not keys and values (see configs/)")
         for key, value in loaded.items():
             _apply(config, str(key), value, path)
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise UserError(f"override {item!r} is not key=value")
-        value = _parse_yaml(raw, f"override {item!r}: {raw!r}",
-                            "quote a string YAML would misread inside the argument, e.g. 'key=\"[a\"'") if raw else None
-        _apply(config, key.strip(), value, "command line")
+    apply_overrides(config, overrides)
     first = config.phases[0].data if config.phases else config.data
     if not (config.data.remote or config.data.streams or first.remote or first.streams):
         raise UserError("data.remote is not set: give the dataset root, e.g. data.remote=data/owt, or a mixture "

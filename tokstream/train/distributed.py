@@ -19,6 +19,7 @@ class Distributed:
     device: torch.device
     enabled: bool  # launched by torchrun (a process group exists), even with one rank
     node: int = 0  # which of the job's nodes (torchrun numbers ranks node after node)
+    nodes: int = 1
 
     @property
     def master(self) -> bool:
@@ -43,8 +44,8 @@ class Distributed:
                 dist.init_process_group("nccl" if use_cuda else "gloo")
             else:
                 dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world)
-        node = rank // int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        return cls(rank, world, local_rank, device, enabled, node)
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return cls(rank, world, local_rank, device, enabled, rank // ranks_per_node, world // ranks_per_node)
 
     def barrier(self) -> None:
         if self.enabled:

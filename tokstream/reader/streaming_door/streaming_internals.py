@@ -32,7 +32,9 @@ streaming does not promise to keep:
   (`first_free_prefix`: `_check_self`, then /dev/shm read by name) on its block layout (`_get_path`,
   `_pack_locals`);
 - the SharedMemory blocks a dataset holds, which stock keeps until exit through atexit: released when
-  the dataset closes or goes (`shared_memory_blocks`, `release_shared_memory`).
+  the dataset closes or goes (`shared_memory_blocks`, `release_shared_memory`);
+- `generate_work` with `StreamingDataset.batching_method` and `_set_shuffle_block_size`: the epoch's
+  partition for any world, computed in one process (`rank_orders`, for train/ledger.py).
 
 To move to a new streaming version: read those names in its source, run the fast-reader and
 training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
@@ -53,7 +55,7 @@ import numpy as np
 from filelock import FileLock, Timeout
 import streaming
 import streaming.base.batching as streaming_batching_module
-from streaming.base.batching import generate_work  # noqa: F401  (tests)
+from streaming.base.batching import generate_work
 import streaming.base.dataset as streaming_dataset_module
 import streaming.base.shared.barrier as streaming_barrier_module
 import streaming.base.shuffle as streaming_shuffle_module
@@ -70,7 +72,7 @@ from streaming.base.shuffle import get_shuffle  # noqa: F401  (epoch_order.py, t
 from streaming.base.shuffle.py1e import get_shuffle_py1e as stock_get_shuffle_py1e  # noqa: F401  (tests)
 from streaming.base.shuffle.py1s import divide_spans  # noqa: F401  (epoch_order.py)
 from streaming.base.spanner import Spanner  # noqa: F401  (lean_spanner.py)
-from streaming.base.world import World  # noqa: F401  (tests)
+from streaming.base.world import World
 from torch.utils.data import get_worker_info
 
 from tokstream.errors import NoSpace, UserError, no_space, out_of_space
@@ -477,6 +479,18 @@ def make_room(dataset: StreamingDataset, shard_id: int) -> None:
         if free < sizes[shard_id]:
             raise NoSpace(cache_full(dataset, shard_id))
         return  # room for this shard, if not for every download in flight: try
+
+
+def rank_orders(dataset: StreamingDataset, nodes: int, ranks_per_node: int, epoch: int,
+                sample_in_epoch: int) -> np.ndarray:
+    """(ranks, samples): the ids each rank of `nodes` x `ranks_per_node` reads of `epoch` from `sample_in_epoch` on,
+    in order, -1 past the end: the work a node's first rank computes (`_get_work`), for the whole world, with
+    one worker per rank. More workers read the same ids, the rank's batches dealt out in turn, which the loader
+    takes back in turn; the batch size only places the -1 padding."""
+    world = World(num_nodes=nodes, ranks_per_node=ranks_per_node, workers_per_rank=1, worker=0)
+    dataset._set_shuffle_block_size(world)  # what `_resume` does before the first epoch's work
+    work = generate_work(dataset.batching_method, dataset, world, epoch, sample_in_epoch)
+    return work.reshape(nodes * ranks_per_node, -1)
 
 
 def shard_sizes(dataset: StreamingDataset) -> np.ndarray:

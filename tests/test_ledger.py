@@ -1,0 +1,118 @@
+"""train/ledger.py and the reader's SampleOrder: which samples each rank read in a step, computed without reading.
+
+The answer is checked against what runs recorded (trace_samples): here a run on one process and the reader
+itself; tests/test_phases.py checks it on a run interrupted at every kind of phase boundary and relaunched on
+other world sizes, micro-batches and workers, with mixtures and epoch ends."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT
+from test_training import tiny_splits
+
+from tokstream.reader import BatchPlan, DataConfig, SampleOrder, StreamConfig, TrainBatches, open_dataset
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ledger")
+    made = {}
+    for name, samples, seed in (("a", 40, 0), ("b", 30, 2)):
+        (root / name).mkdir()
+        made[name] = tiny_splits(root / name, samples, 8, seed=seed)
+    return made
+
+
+@pytest.mark.parametrize("mixture", [False, True])
+def test_the_order_is_what_the_reader_reads_across_epoch_ends_from_any_step(datasets, mixture):
+    config = DataConfig(remote=str(datasets["a"])) if not mixture else DataConfig(streams=[
+        StreamConfig(remote=str(datasets["a"]), name="a", proportion=0.5),
+        StreamConfig(remote=str(datasets["b"]), name="b", proportion=0.5)])
+    dataset = open_dataset(config)
+    batches = TrainBatches(dataset, BatchPlan(4, 2, 1))
+    read = [next(batches)["ids"].tolist() + next(batches)["ids"].tolist() for _ in range(25)]  # 2.5 epochs
+    batches.close()
+    order = SampleOrder(dataset, 4)
+    try:
+        assert order.epoch_size < 25 * 4
+        assert order.steps(0, 25)[:, 0].tolist() == read
+        assert order.steps(13, 5)[:, 0].tolist() == read[13:18]  # from any step, not only from the first
+        two_ranks = order.steps(3, 4, 1, 2)
+        assert [sorted(step.ravel().tolist()) for step in two_ranks] == [sorted(ids) for ids in read[3:7]]
+        if mixture:
+            sources, ids = order.source_of(np.array(read[0]))
+            first = order.first_sample_of_source
+            assert np.array_equal(first[sources] + ids, read[0]) and 0 <= ids.min() and set(sources.tolist()) <= {0, 1}
+    finally:
+        order.close()
+
+
+def ledger(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "train/ledger.py"), str(run_dir), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def json_lines(done: subprocess.CompletedProcess) -> list[dict]:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run(datasets, tmp_path_factory) -> Path:
+    """10 steps of configs/tiny.yaml on one process over `a` (40 samples: 8 a step, two epoch ends), traced."""
+    run_dir = tmp_path_factory.mktemp("run")
+    done = subprocess.run([sys.executable, str(ROOT / "train/main.py"), "configs/tiny.yaml", "max_steps=10",
+                           "optim.decay_steps=10", "checkpoint_interval=5", "eval_interval=0", "trace_samples=true",
+                           "global_batch_size=8", "micro_batch_size=4", f"data.remote={datasets['a']}",
+                           f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return run_dir
+
+
+def test_the_ledger_gives_each_steps_samples_with_their_text(run, datasets):
+    from tokstream.train.metrics import read_records
+    from tokstream.tokenizer import load_tokenizer
+    from tokstream.verify import read_sample
+
+    traced = read_records(run)
+    answered = json_lines(ledger(run, "--steps", "1:12", "--json"))
+    assert [line["samples"] for line in answered[:10]] == [record["samples"] for record in traced]
+    assert [line["recorded"] for line in answered] == [True] * 10 + [False] * 2  # 11, 12: not made yet
+    assert all(name == "ds" for line in answered for rank in line["sources"] for name, _ in rank)
+    text = ledger(run, "--step", "7", "--decode")
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert lines[0] == "step 7: phases.0 (ds), 8 samples, 1 rank on 1 node (as the run recorded)"
+    assert lines[1] == "  rank 0: " + " ".join(map(str, traced[6]["samples"][0]))
+    sample = traced[6]["samples"][0][2]
+    decoded = load_tokenizer("gpt2").decode(read_sample(datasets["a"], "train", sample).tolist())
+    assert lines[4] == f"    ds {sample}: {json.dumps(decoded, ensure_ascii=False)}"
+
+
+def test_a_run_without_ranks_in_its_metrics_needs_them_given_and_other_data_is_refused(run, datasets, tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(run, old)
+    records = [json.loads(line) for line in (old / "metrics.jsonl").read_text().splitlines()]
+    (old / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("ranks", "nodes")})
+                                               + "\n" for r in records))
+    refused = ledger(old, "--step", "3")
+    assert refused.returncode != 0 and refused.stderr.strip().splitlines()[-1] == (
+        "error: the run's metrics.jsonl does not say which ranks ran step 3 (a run from before the ledger, or a step "
+        "it has no line for): give --ranks (and --nodes)")
+    dealt = json_lines(ledger(old, "--step", "3", "--ranks", "2", "--json"))[0]
+    assert [len(rank) for rank in dealt["samples"]] == [4, 4]
+    assert sorted(sum(dealt["samples"], [])) == sorted(records[2]["samples"][0])  # the step's, dealt to 2 ranks
+    other = ledger(run, "--step", "3", f"data.remote={datasets['b']}")
+    assert other.returncode != 0 and "is not the data the run read" in other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1, other.stderr
+    (tmp_path / "empty").mkdir()
+    empty = ledger(tmp_path / "empty", "--step", "1")
+    assert empty.returncode != 0 and "holds no checkpoint" in empty.stderr
+    missing = ledger(tmp_path / "missing", "--step", "1")
+    assert missing.returncode != 0 and "does not exist" in missing.stderr and not (tmp_path / "missing").exists()

@@ -1,0 +1,78 @@
+"""Which samples each rank read in a step of a run, per source, from what the run recorded (its config, the
+identity of its data, the ranks of each step), without running the model; also for steps not made yet.
+
+    python train/ledger.py runs/gpt2 --step 48213
+    python train/ledger.py runs/gpt2 --steps 100:110 --decode      # steps 100 to 110, each sample as text
+    python train/ledger.py runs/gpt2 --step 7 --json                # one JSON line per step
+    python train/ledger.py runs/gpt2 --step 7 data.remote=/mnt/owt  # the run's data, where it lies here
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
+
+from tokstream.errors import UserError, run_cli  # noqa: E402
+
+
+def step_range(text: str) -> range:
+    first, _, last = text.partition(":")
+    try:
+        return range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or FIRST:LAST") from None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", help="the run's run_dir: a path or s3://bucket/prefix")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--step", type=step_range, help="a step, counted from 1 as metrics.jsonl counts")
+    which.add_argument("--steps", type=step_range, metavar="FIRST:LAST", help="steps FIRST to LAST")
+    parser.add_argument("--decode", action="store_true", help="also each sample's text")
+    parser.add_argument("--json", action="store_true", help="one JSON object per step")
+    parser.add_argument("--ranks", type=int, help="ranks to deal the step to (default: what ran it)")
+    parser.add_argument("--nodes", type=int, help="nodes of those ranks (default 1 with --ranks)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="settings over the run's, e.g. data.local")
+    args = parser.parse_intermixed_args()  # settings before or after the options
+
+    from tokstream.train.ledger import Ledger
+
+    ledger = Ledger.of_run(args.run_dir, args.overrides)
+    try:
+        for step in args.step or args.steps:
+            reads = ledger.step(step, args.ranks, args.nodes)
+            print(json_line(ledger, reads, args.decode) if args.json else "\n".join(text_lines(ledger, reads, args.decode)),
+                  flush=True)
+    finally:
+        ledger.close()
+
+
+def json_line(ledger, reads, decode: bool) -> str:
+    record = {"step": reads.step, "phase": reads.phase.index, "ranks": reads.ranks, "nodes": reads.nodes,
+              "recorded": reads.recorded, "samples": reads.samples.tolist(),
+              "sources": [ledger.sources(reads.phase, rank) for rank in reads.samples]}
+    if decode:
+        record["texts"] = [ledger.texts(reads.phase, rank) for rank in reads.samples]
+    return json.dumps(record, ensure_ascii=False)
+
+
+def text_lines(ledger, reads, decode: bool) -> list[str]:
+    how = "as the run recorded" if reads.recorded else "not recorded: the last launch's, or as given"
+    data = ", ".join(ledger.recipe.dataset(reads.phase).source_names)
+    lines = [f"step {reads.step}: {reads.phase.name} ({data}), {reads.samples.size} samples, {reads.ranks} "
+             f"rank{'s' * (reads.ranks > 1)} on {reads.nodes} node{'s' * (reads.nodes > 1)} ({how})"]
+    for rank, ids in enumerate(reads.samples):
+        sources = ledger.sources(reads.phase, ids)
+        several = len({name for name, _ in sources}) > 1 or len(ledger.recipe.dataset(reads.phase).sources) > 1
+        lines.append(f"  rank {rank}: " + " ".join(f"{name}:{i}" if several else str(i) for name, i in sources))
+        if decode:
+            for (name, i), text in zip(sources, ledger.texts(reads.phase, ids)):
+                lines.append(f"    {name} {i}: {json.dumps(text, ensure_ascii=False)}")
+    return lines
+
+
+if __name__ == "__main__":
+    run_cli(main)
