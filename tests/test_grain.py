@@ -183,5 +183,39 @@ def test_what_it_cannot_read_is_refused_in_one_line(converted, tmp_path):
     shard = sorted((damaged / "train").glob("shard.*.mds"))[1]
     shard.write_bytes(shard.read_bytes()[:-BLOCK])
     assert f"shard {shard} has" in refusal(damaged)
+    index = json.loads((converted / "train/index.json").read_text())
+    del index["shards"][0]["column_encodings"]
+    shutil.rmtree(damaged)
+    shutil.copytree(converted, damaged)
+    (damaged / "train/index.json").write_text(json.dumps(index))
+    assert "index.json is damaged (KeyError" in refusal(damaged)
     with pytest.raises(IndexError):
         TokenSampleSource(converted)[SAMPLES]
+    with pytest.raises(TypeError):
+        TokenSampleSource(converted)[1.5]
+
+
+def test_a_compressed_shard_that_does_not_decompress_is_named_when_read(tmp_path):
+    from tokstream.grain_source import TokenSampleSource
+
+    root = convert(tmp_path / "zstd", compression="zstd")
+    shard = sorted((root / "train").glob("shard.*.mds.zstd"))[1]
+    shard.write_bytes(bytes(shard.stat().st_size))  # the size the index says, none of the content
+    source = TokenSampleSource(root)
+    assert index_of([source[0]]) == [0]  # the first shard still reads
+    with pytest.raises(UserError, match=f"shard {shard} does not decompress"):
+        [source[k] for k in range(SAMPLES)]
+
+
+def test_a_split_of_more_shards_than_it_keeps_mapped_reads_through_with_few_files_open(converted):
+    from tokstream.grain_source import TokenSampleSource
+
+    def open_files() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    source = TokenSampleSource(converted)
+    source.max_mapped_shards = 2
+    before = open_files()
+    order = np.random.default_rng(0).permutation(SAMPLES).tolist()
+    assert [index_of([source[k]])[0] for k in order] == order
+    assert open_files() - before <= 2

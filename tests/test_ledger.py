@@ -2,7 +2,8 @@
 
 The answer is checked against what runs recorded (trace_samples): here a run on one process and the reader
 itself; tests/test_phases.py checks it on a run interrupted at every kind of phase boundary and relaunched on
-other world sizes, micro-batches and workers, with mixtures and epoch ends."""
+other world sizes, micro-batches and workers, with mixtures and epoch ends, and tests/test_nodes_and_ranks.py on
+a run of two nodes of two ranks."""
 
 import json
 import subprocess
@@ -86,7 +87,7 @@ def test_the_ledger_gives_each_steps_samples_with_their_text(run, datasets):
     text = ledger(run, "--step", "7", "--decode")
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
-    assert lines[0] == "step 7: phases.0 (ds), 8 samples, 1 rank on 1 node (as the run recorded)"
+    assert lines[0] == "step 7 (ds): 8 samples, 1 rank on 1 node (as the run recorded)"
     assert lines[1] == "  rank 0: " + " ".join(map(str, traced[6]["samples"][0]))
     sample = traced[6]["samples"][0][2]
     decoded = load_tokenizer("gpt2").decode(read_sample(datasets["a"], "train", sample).tolist())
@@ -108,6 +109,23 @@ def test_a_run_without_ranks_in_its_metrics_needs_them_given_and_other_data_is_r
     dealt = json_lines(ledger(old, "--step", "3", "--ranks", "2", "--json"))[0]
     assert [len(rank) for rank in dealt["samples"]] == [4, 4]
     assert sorted(sum(dealt["samples"], [])) == sorted(records[2]["samples"][0])  # the step's, dealt to 2 ranks
+    # Steps made since the newest checkpoint by a launch with another config (none of its checkpoints left):
+    edited = tmp_path / "edited"
+    shutil.copytree(run, edited)
+    (edited / "metrics.jsonl").write_text("".join(json.dumps({**r, "phase": 1} if r["step"] > 8 else r) + "\n"
+                                                  for r in records))
+    assert ledger(edited, "--step", "8").returncode == 0
+    refused = ledger(edited, "--step", "9")
+    assert refused.returncode != 0 and refused.stderr.strip() == (
+        "error: step 9: metrics.jsonl says it trained phases.1 with 4,608 tokens done, the config of the newest "
+        "checkpoint (step 10) gives phases.0 with 4,608: a launch since ran another config, which no checkpoint holds")
+    for args, said in ((["global_batch_size=16"], "global_batch_size: the ledger reads the run's own settings"),
+                       (["--ranks", "0"], "--ranks must be a positive number"),
+                       (["--nodes", "2"], "--nodes (1 or more) comes with --ranks"),
+                       (["--ranks", "3"], "global batches of 8 samples, which 3 ranks on 1 node do not share")):
+        refused = ledger(run, "--step", "3", *args)
+        assert refused.returncode != 0 and said in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    assert ledger(run, "--steps", "5:3").returncode == 2
     other = ledger(run, "--step", "3", f"data.remote={datasets['b']}")
     assert other.returncode != 0 and "is not the data the run read" in other.stderr
     assert len(other.stderr.strip().splitlines()) == 1, other.stderr
@@ -115,4 +133,4 @@ def test_a_run_without_ranks_in_its_metrics_needs_them_given_and_other_data_is_r
     empty = ledger(tmp_path / "empty", "--step", "1")
     assert empty.returncode != 0 and "holds no checkpoint" in empty.stderr
     missing = ledger(tmp_path / "missing", "--step", "1")
-    assert missing.returncode != 0 and "does not exist" in missing.stderr and not (tmp_path / "missing").exists()
+    assert missing.returncode != 0 and "is not a directory" in missing.stderr and not (tmp_path / "missing").exists()

@@ -23,6 +23,7 @@ import pytest
 import torch
 import test_training as training
 from conftest import ROOT, Node, namespaces_permitted, wait_for_nodes
+from test_ledger import json_lines, ledger
 
 from tokstream.testing.loopback_s3 import free_port
 from tokstream.train.checkpoint_files import checkpoint_name, latest_step
@@ -176,7 +177,7 @@ def test_training_on_two_nodes_of_two_ranks_stops_together_and_resumes_bitwise(r
     all-reduce's sums depend on DDP's bucket layout, which a relaunch used to change for its first step
     (trainer.settle_gradient_buckets); over two, a + b == b + a would hide it. The uninterrupted run also
     takes, step by step, the samples of one node of two ranks (the same global batch, split 4 x 2 instead
-    of 2 x 4)."""
+    of 2 x 4). The ledger, from the run directory alone, names every rank's samples of every step."""
 
     def job(run_dir, launch: str) -> list[Node]:
         port = free_port()
@@ -214,3 +215,7 @@ def test_training_on_two_nodes_of_two_ranks_stops_together_and_resumes_bitwise(r
     assert training.trained_steps(run_dir) == expected  # per-rank samples, losses and lr, exactly
     final, wanted = final_tensors(run_dir), final_tensors(uninterrupted)
     assert len(final) == len(wanted) and all(torch.equal(a, b) for a, b in zip(final, wanted))
+    # The ledger deals each step to 2 nodes x 2 ranks as they read it (the data where it lies here).
+    answered = json_lines(ledger(run_dir, "--steps", f"1:{training.STEPS}", "--json", "data.local="))
+    assert [line["samples"] for line in answered] == [samples for _, samples, _, _ in expected]
+    assert {(line["nodes"], line["ranks"]) for line in answered} == {(NODES, NODES * RANKS)}

@@ -95,6 +95,18 @@ def test_jobs_started_together_each_register_their_own_prefix(dataset, tmp_path)
     assert first_batches[0, 0] != first_batches[0, 1]
 
 
+def in_a_node_of_its_own(script: str, dataset, tmp_path) -> dict:
+    """The JSON a Python `script` (given the dataset) prints last, run with a /dev/shm and temp directory of its own,
+    so that the shared-memory prefixes are its alone."""
+    (tmp_path / "tmp").mkdir()
+    command = shlex.join([sys.executable, "-c", script, str(dataset)])
+    done = subprocess.run(["unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c",
+                           f"mount -t tmpfs node-shm /dev/shm && {command}"], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path / "tmp")), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 LEFTOVER = """
 import json, sys
 from multiprocessing.shared_memory import SharedMemory
@@ -122,11 +134,34 @@ def test_a_new_reader_takes_no_prefix_where_another_datasets_block_is_left(datas
     stock's scan (per kind of block, the largest lowest-free) took it whenever a lower live prefix lacked that
     kind, and the new reader then read the other's resume state and started mid-epoch. In a /dev/shm and
     temp directory of its own, so that the prefixes are these alone."""
-    (tmp_path / "tmp").mkdir()
-    script = shlex.join([sys.executable, "-c", LEFTOVER, str(dataset)])
-    done = subprocess.run(["unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c",
-                           f"mount -t tmpfs node-shm /dev/shm && {script}"], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path / "tmp")), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    read = json.loads(done.stdout.strip().splitlines()[-1])
+    read = in_a_node_of_its_own(LEFTOVER, dataset, tmp_path)
     assert read["fresh"] == read["first"] != read["eleventh"]
+
+
+RACE = """
+import json, os, sys
+from multiprocessing.shared_memory import SharedMemory
+from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
+from tokstream.reader.streaming_door import streaming_internals as internals
+
+scan = internals.first_free_prefix
+leftover = SharedMemory("000000_next_epoch", create=True, size=8)  # a block of another dataset, still held
+calls = []
+
+def raced(*args):  # the first scan saw prefix 0 free: the block appeared just after it
+    calls.append(scan(*args) if calls else 0)
+    return calls[-1]
+
+internals.first_free_prefix = raced
+batches = TrainBatches(open_dataset(DataConfig(remote=sys.argv[1])), BatchPlan(4, 4, 1))
+print(json.dumps({"calls": calls, "prefix": internals.shm_prefix(batches.loader.dataset),
+                  "left": sorted(name for name in os.listdir("/dev/shm") if name.startswith("000000_"))}))
+batches.close()
+leftover.close(), leftover.unlink()
+"""
+
+
+@pytest.mark.skipif(not namespaces_permitted(), reason="namespaces are not permitted here (unshare --ipc --mount)")
+def test_a_prefix_where_a_block_appears_between_scan_and_claim_is_given_up(dataset, tmp_path):
+    read = in_a_node_of_its_own(RACE, dataset, tmp_path)
+    assert read == {"calls": [0, 1], "prefix": 1, "left": ["000000_next_epoch"]}  # its claim on 0 taken back

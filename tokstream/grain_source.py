@@ -1,4 +1,4 @@
-"""A converted split as a Grain data source (`pip install tokstream[grain]`), for JAX and other loops that load
+"""A converted split as a Grain data source (`pip install -e '.[grain]'`), for JAX and other loops that load
 with Grain instead of torch's DataLoader.
 
 Record i is sample i of the split: its block_size + 1 token ids (inputs tokens[:-1], targets tokens[1:]), the
@@ -9,7 +9,10 @@ by index, one at a time, which an object store would turn into a request per sam
 """
 
 import bisect
+import operator
 import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +30,15 @@ class TokenSampleSource:
     DataLoader checks when it restores a checkpoint: another dataset is refused rather than read in another
     order, and the same one copied to another path is accepted."""
 
+    # Shards mapped at once per process (each mapping holds a file descriptor): a split of more shards than
+    # the descriptor limit reads through, mapping again the ones it dropped (a mapping costs microseconds).
+    max_mapped_shards = 64
+
     def __init__(self, root: str | os.PathLike, split: str = "train"):
         root = os.fspath(root).rstrip("/")
         if "://" in root:
-            raise UserError(f"{root}: the Grain source reads a dataset on local disk; copy it there first "
-                            f"(aws s3 sync {root} DIR) and give DIR")
+            raise UserError(f"{root}: the Grain source reads a dataset on local disk; copy it there first (for S3: "
+                            "aws s3 sync URL DIR) and give DIR")
         metadata = read_metadata(root)
         if split not in metadata.splits:
             raise UserError(f"{root} has no {split} split (it has {', '.join(metadata.splits)})")
@@ -39,19 +46,25 @@ class TokenSampleSource:
         shards = index_shards(Path(root, split))
         self.root, self.split = root, split
         self.identity = dataset_identity(Path(root), split)
-        self.dtype, self.sample_length = parse_column_encoding(shards[0]["column_encodings"][0])
-        self._files = [stored_file(shard)["basename"] for shard in shards]
-        self._compression = [shard["compression"] if shard["zip_data"] else None for shard in shards]
+        try:
+            self.dtype, self.sample_length = parse_column_encoding(shards[0]["column_encodings"][0])
+            self._files = [stored_file(shard)["basename"] for shard in shards]
+            self._compression = [shard["compression"] if shard["zip_data"] else None for shard in shards]
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            raise UserError(f"{root}/{split}/index.json is damaged ({type(err).__name__}: {err}); reconvert the "
+                            "split") from None
         self._counts = [shard["samples"] for shard in shards]
         self._starts = np.cumsum([0] + self._counts).tolist()  # first sample of each shard; the total last
-        self._views: dict[int, np.ndarray] = {}  # this process's mapped shards
+        # This process's mapped shards, the most recently read last: each mapping holds a file descriptor.
+        self._views: OrderedDict[int, np.ndarray] = OrderedDict()
         self._unpacked: tuple[int, np.ndarray] | None = None  # the compressed shard read last, decompressed
+        self._mapping_lock = threading.Lock()
 
     def __len__(self) -> int:
         return self._starts[-1]
 
     def __getitem__(self, index: int) -> np.ndarray:
-        index = int(index)
+        index = operator.index(index)  # an int or numpy integer; a float is a caller's bug, not sample int(x)
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} is outside {self!r}, which has {len(self)}")
         shard = bisect.bisect_right(self._starts, index) - 1
@@ -61,21 +74,33 @@ class TokenSampleSource:
         """The shard's samples: mapped, or (compressed) decompressed into memory, one shard at a time; random
         access to a compressed split decompresses a shard per record, so convert for Grain uncompressed."""
         if self._compression[shard] is None:
-            if shard not in self._views:
-                mapped = np.asarray(np.memmap(self._path(shard), dtype=np.uint8, mode="r"))  # a plain view reads faster
-                self._views[shard] = self._checked(shard, mapped)
-            return self._views[shard]
-        if self._unpacked is None or self._unpacked[0] != shard:
-            data = decompress_shard(self._compression[shard], self._path(shard).read_bytes())
-            self._unpacked = (shard, self._checked(shard, np.frombuffer(data, dtype=np.uint8)))
-        return self._unpacked[1]
+            with self._mapping_lock:  # Grain may read from several threads
+                view = self._views.get(shard)
+                if view is None:
+                    mapped = np.asarray(np.memmap(self._path(shard), dtype=np.uint8, mode="r"))  # a plain view reads faster
+                    view = self._views[shard] = self._checked(shard, mapped)
+                    while len(self._views) > self.max_mapped_shards:
+                        self._views.popitem(last=False)  # records handed out keep their own mapping alive
+                else:
+                    self._views.move_to_end(shard)
+                return view
+        unpacked = self._unpacked  # one read: Grain may call from several threads, each replacing it
+        if unpacked is None or unpacked[0] != shard:
+            try:
+                data = decompress_shard(self._compression[shard], self._path(shard).read_bytes())
+            except UserError:
+                raise
+            except Exception as err:  # zstd's own error type
+                raise UserError(damaged_shard(self._path(shard), f"does not decompress ({err})", self.root)) from None
+            unpacked = self._unpacked = (shard, self._checked(shard, np.frombuffer(data, dtype=np.uint8)))
+        return unpacked[1]
 
     def _checked(self, shard: int, data: np.ndarray) -> np.ndarray:
         try:
             samples = shard_samples(data, self.dtype, self.sample_length, every_offset=False)
             problem = sample_count_problem(len(samples), self._counts[shard])
         except ValueError as err:
-            problem = str(err)
+            problem = str(err).removeprefix("shard ")  # "shard is truncated: ...", and damaged_shard names the shard
         if problem is not None:
             raise UserError(damaged_shard(self._path(shard), problem, self.root))
         return samples
@@ -84,7 +109,14 @@ class TokenSampleSource:
         return Path(self.root, self.split, self._files[shard])
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_views": {}, "_unpacked": None}  # each process maps for itself
+        state = dict(self.__dict__)
+        for name in ("_views", "_unpacked", "_mapping_lock"):  # each process maps for itself
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._views, self._unpacked, self._mapping_lock = OrderedDict(), None, threading.Lock()
 
     def __repr__(self) -> str:  # the data, not where it lies: a checkpoint restores on a copy elsewhere
         return f"TokenSampleSource(split={self.split!r}, identity={self.identity!r}, samples={len(self)})"

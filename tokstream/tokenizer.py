@@ -116,8 +116,9 @@ class TiktokenTokenizer(Tokenizer):
             try:
                 self.encoding = tiktoken.get_encoding(ENCODING_ALIASES.get(spec.source, spec.source))
             except ValueError as err:
-                raise UserError(f"unknown tiktoken encoding {spec.source!r} ({err}), and no tokenizer.json of "
-                                "that name") from None
+                first_line = str(err).strip().splitlines()[0]  # tiktoken lists its plugins on the lines after
+                raise UserError(f"unknown tiktoken encoding {spec.source!r} ({first_line}), and no tokenizer.json of "
+                                "that name: give the tokenizer (--tokenizer)") from None
             except Exception as err:  # network or cache failures surface as many exception types
                 raise UserError(
                     f"could not load tiktoken encoding {spec.source!r}: {type(err).__name__}: {err}. Offline? "

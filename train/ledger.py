@@ -18,58 +18,66 @@ from tokstream.errors import UserError, run_cli  # noqa: E402
 
 
 def step_range(text: str) -> range:
-    first, _, last = text.partition(":")
+    """N, or FIRST:LAST (both counted, FIRST <= LAST)."""
+    first, colon, last = text.partition(":")
     try:
-        return range(int(first), int(last or first) + 1)
+        steps = range(int(first), int(last if colon else first) + 1)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not N or FIRST:LAST") from None
+    if not steps:
+        raise argparse.ArgumentTypeError(f"{text!r}: FIRST is after LAST")
+    return steps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="the run's run_dir: a path or s3://bucket/prefix")
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--step", type=step_range, help="a step, counted from 1 as metrics.jsonl counts")
+    which.add_argument("--step", type=int, help="a step, counted from 1 as metrics.jsonl counts")
     which.add_argument("--steps", type=step_range, metavar="FIRST:LAST", help="steps FIRST to LAST")
     parser.add_argument("--decode", action="store_true", help="also each sample's text")
     parser.add_argument("--json", action="store_true", help="one JSON object per step")
     parser.add_argument("--ranks", type=int, help="ranks to deal the step to (default: what ran it)")
     parser.add_argument("--nodes", type=int, help="nodes of those ranks (default 1 with --ranks)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="settings over the run's, e.g. data.local")
+    parser.add_argument("--tokenizer", help="tokenizer for --decode (default: the one each dataset's metadata names)")
+    parser.add_argument("--ranks-file", help="local tiktoken ranks file for --decode (offline)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="where the run's data lies here, e.g. data.local=DIR")
     args = parser.parse_intermixed_args()  # settings before or after the options
 
     from tokstream.train.ledger import Ledger
 
     ledger = Ledger.of_run(args.run_dir, args.overrides)
     try:
-        for step in args.step or args.steps:
+        for step in [args.step] if args.step is not None else args.steps:
             reads = ledger.step(step, args.ranks, args.nodes)
-            print(json_line(ledger, reads, args.decode) if args.json else "\n".join(text_lines(ledger, reads, args.decode)),
-                  flush=True)
+            texts = [ledger.texts(reads.phase, rank, args.tokenizer, args.ranks_file) for rank in reads.samples] \
+                if args.decode else None
+            print(json_line(ledger, reads, texts) if args.json else "\n".join(text_lines(ledger, reads, texts)), flush=True)
     finally:
         ledger.close()
 
 
-def json_line(ledger, reads, decode: bool) -> str:
+def json_line(ledger, reads, texts: list[list[str]] | None) -> str:
     record = {"step": reads.step, "phase": reads.phase.index, "ranks": reads.ranks, "nodes": reads.nodes,
               "recorded": reads.recorded, "samples": reads.samples.tolist(),
               "sources": [ledger.sources(reads.phase, rank) for rank in reads.samples]}
-    if decode:
-        record["texts"] = [ledger.texts(reads.phase, rank) for rank in reads.samples]
+    if texts is not None:
+        record["texts"] = texts
     return json.dumps(record, ensure_ascii=False)
 
 
-def text_lines(ledger, reads, decode: bool) -> list[str]:
+def text_lines(ledger, reads, texts: list[list[str]] | None) -> list[str]:
     how = "as the run recorded" if reads.recorded else "not recorded: the last launch's, or as given"
     data = ", ".join(ledger.recipe.dataset(reads.phase).source_names)
-    lines = [f"step {reads.step}: {reads.phase.name} ({data}), {reads.samples.size} samples, {reads.ranks} "
+    what = f"{reads.phase.name}, {data}" if len(ledger.recipe.phases) > 1 else data
+    lines = [f"step {reads.step} ({what}): {reads.samples.size} samples, {reads.ranks} "
              f"rank{'s' * (reads.ranks > 1)} on {reads.nodes} node{'s' * (reads.nodes > 1)} ({how})"]
+    several = len(ledger.recipe.dataset(reads.phase).sources) > 1  # a mixture: each id with its source
     for rank, ids in enumerate(reads.samples):
         sources = ledger.sources(reads.phase, ids)
-        several = len({name for name, _ in sources}) > 1 or len(ledger.recipe.dataset(reads.phase).sources) > 1
         lines.append(f"  rank {rank}: " + " ".join(f"{name}:{i}" if several else str(i) for name, i in sources))
-        if decode:
-            for (name, i), text in zip(sources, ledger.texts(reads.phase, ids)):
+        if texts is not None:
+            for (name, i), text in zip(sources, texts[rank]):
                 lines.append(f"    {name} {i}: {json.dumps(text, ensure_ascii=False)}")
     return lines
 

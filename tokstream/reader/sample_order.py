@@ -11,6 +11,7 @@ workers take a rank's rows in batches dealt out in turn, and the loader takes th
 
 import numpy as np
 
+from tokstream.errors import UserError
 from tokstream.reader.batch_plan import BatchPlan
 from tokstream.reader.batches import make_loader
 from tokstream.reader.dataset import Dataset
@@ -37,7 +38,11 @@ class SampleOrder:
         """(count, ranks, global_batch_size // ranks) sample ids: what each rank of `nodes` x `ranks_per_node` reads
         in steps first .. first + count - 1 (0-based), in the order it reads them; a step may not span an epoch."""
         ranks = nodes * ranks_per_node
-        BatchPlan(self.global_batch_size, self.global_batch_size // ranks, ranks)  # refuses a batch they do not cut
+        if nodes < 1 or ranks_per_node < 1 or self.global_batch_size % ranks:
+            raise UserError(f"a global batch of {self.global_batch_size} samples does not divide over {nodes} nodes "
+                            f"x {ranks_per_node} ranks")
+        if first < 0 or count < 0:
+            raise ValueError(f"steps from {first}, {count} of them: both count from 0")
         per_rank = self.global_batch_size // ranks
         read = np.empty((count, ranks, per_rank), np.int64)
         done = 0

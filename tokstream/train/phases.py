@@ -180,6 +180,18 @@ class Recipe:
             tokens += max(0, end - phase.start_step) * phase.global_batch_size * self.block_size(phase)
         return tokens
 
+    def units_before(self, phase: Phase, step: int) -> int:
+        """How many units of `phase`'s stream the steps before `step` (0-based) took: each step of each phase that
+        reads that stream takes its global batch's worth (train/ledger.py; PhasedBatches tracks the same position
+        as it reads)."""
+        stream, unit = self.stream(phase), self.units[phase.index]
+        taken = 0
+        for other, following in zip(self.phases, self.phases[1:] + [None]):
+            if self.stream(other) == stream:
+                end = min(step, following.start_step) if following else step
+                taken += max(0, end - other.start_step) * (other.global_batch_size // unit)
+        return taken
+
     def describe_epochs(self) -> list[str]:
         """A line per stream for the start of a run (its epochs, what each source gives them); refuses data too
         small for one of its units."""
