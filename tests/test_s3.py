@@ -179,6 +179,16 @@ def test_start_up_errors_are_one_line_before_any_work(proxy, corpus, tmp_path, c
     assert "tokenizing" not in done.stderr
 
 
+def test_training_on_s3_data_without_credentials_says_so_in_one_line(proxy, tmp_path):
+    env = {name: value for name, value in os.environ.items() if name not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
+    done = run_script("train/main.py", "configs/tiny.yaml", f"data.remote=s3://{BUCKET}/owt",
+                      f"data.local={tmp_path / 'cache'}", f"run_dir={tmp_path / 'run'}", env=env, timeout=120)
+    assert done.returncode != 0 and done.stderr.strip().splitlines() == [
+        f"error: cannot read s3://{BUCKET}/owt/metadata.json: no AWS credentials found: set "
+        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or a role"], done.stderr[-3000:]
+
+
 def test_a_corrupt_shard_is_rejected_by_name(proxy, corpus, tmp_path):
     done = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", f"s3://{BUCKET}/corrupt", *CONVERT)
     assert done.returncode == 0, done.stderr

@@ -95,7 +95,7 @@ class S3Dataset:
         return list(self.sizes())
 
     def exists(self, relative: str) -> bool:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             self.client.head_object(Bucket=self.bucket, Key=self.key(relative))
@@ -103,6 +103,8 @@ class S3Dataset:
         except ClientError as err:
             if err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return False
+            raise UserError(f"cannot read {self.url}/{relative}: {describe_error(err)}") from None
+        except BotoCoreError as err:  # no credentials, no endpoint: often the first call a reader makes
             raise UserError(f"cannot read {self.url}/{relative}: {describe_error(err)}") from None
 
     def download(self, relative: str, destination: Path) -> Path:
