@@ -47,8 +47,10 @@ def main(dataset: str, checkpoint: str, steps: int) -> None:
             if dist.get_rank() == 0:  # the reader's state is global: rank 0's is every rank's
                 state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "batches": batches.state_dict(), "step": step}
-                torch.save(state, checkpoint + ".tmp")
-                os.replace(checkpoint + ".tmp", checkpoint)  # a kill mid-save leaves the last one whole
+                with open(checkpoint + ".tmp", "wb") as file:
+                    torch.save(state, file)
+                    file.flush(), os.fsync(file.fileno())  # on disk before it takes the name: a node that
+                os.replace(checkpoint + ".tmp", checkpoint)  # dies mid-save leaves the last one whole
             break
     batches.close()
     dist.destroy_process_group()
