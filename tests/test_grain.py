@@ -183,12 +183,13 @@ def test_what_it_cannot_read_is_refused_in_one_line(converted, tmp_path):
     shard = sorted((damaged / "train").glob("shard.*.mds"))[1]
     shard.write_bytes(shard.read_bytes()[:-BLOCK])
     assert f"shard {shard} has" in refusal(damaged)
-    index = json.loads((converted / "train/index.json").read_text())
-    del index["shards"][0]["column_encodings"]
-    shutil.rmtree(damaged)
-    shutil.copytree(converted, damaged)
-    (damaged / "train/index.json").write_text(json.dumps(index))
-    assert "index.json is damaged (KeyError" in refusal(damaged)
+    for key in ("column_encodings", "raw_data"):  # read by this source, and by the split's checks
+        index = json.loads((converted / "train/index.json").read_text())
+        del index["shards"][0][key]
+        shutil.rmtree(damaged)
+        shutil.copytree(converted, damaged)
+        (damaged / "train/index.json").write_text(json.dumps(index))
+        assert f"index.json is damaged (KeyError: '{key}')" in refusal(damaged)
     with pytest.raises(IndexError):
         TokenSampleSource(converted)[SAMPLES]
     with pytest.raises(TypeError):

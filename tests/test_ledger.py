@@ -116,9 +116,16 @@ def test_a_run_without_ranks_in_its_metrics_needs_them_given_and_other_data_is_r
                                                   for r in records))
     assert ledger(edited, "--step", "8").returncode == 0
     refused = ledger(edited, "--step", "9")
+    data = records[8]["data"]
     assert refused.returncode != 0 and refused.stderr.strip() == (
-        "error: step 9: metrics.jsonl says it trained phases.1 with 4,608 tokens done, the config of the newest "
-        "checkpoint (step 10) gives phases.0 with 4,608: a launch since ran another config, which no checkpoint holds")
+        f"error: step 9: metrics.jsonl says it trained phases.1 with 4,608 tokens done on data {data}, the config of "
+        f"the newest checkpoint (step 10) gives phases.0 with 4,608 on data {data}: a launch since ran another "
+        "config, which no checkpoint holds")
+    # ... or the same phase on other data (a phase not started at the checkpoint may change its data)
+    (edited / "metrics.jsonl").write_text("".join(json.dumps({**r, "data": "0" * 12} if r["step"] > 8 else r) + "\n"
+                                                  for r in records))
+    refused = ledger(edited, "--step", "9")
+    assert refused.returncode != 0 and "on data 000000000000, the config" in refused.stderr
     for args, said in ((["global_batch_size=16"], "global_batch_size: the ledger reads the run's own settings"),
                        (["--ranks", "0"], "--ranks must be a positive number"),
                        (["--nodes", "2"], "--nodes (1 or more) comes with --ranks"),

@@ -32,6 +32,8 @@ def check_split(root: Path, split: str, metadata: DatasetMetadata, dataset: str,
     try:
         shards = json.loads(index.read_text())["shards"]
         indexed = sum(shard["samples"] for shard in shards)
+        files = [(stored_file(shard)["basename"], stored_file(shard)["bytes"], shard["zip_data"] is None,
+                  shard["samples"]) for shard in shards]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise UserError(f"{index} is damaged ({type(err).__name__}: {err}); reconvert the split") from None
     if metadata.splits[split].samples != indexed:
@@ -40,14 +42,13 @@ def check_split(root: Path, split: str, metadata: DatasetMetadata, dataset: str,
                         f"convert/verify.py {dataset} checks the dataset, reconverting repairs it")
     if not local_files:  # remote shards are checked against their hashes as they arrive, and when mapped
         return
-    for shard in shards:
-        stored = stored_file(shard)
-        path = root / split / stored["basename"]
+    for basename, expected, uncompressed, samples in files:
+        path = root / split / basename
         size = path.stat().st_size if path.is_file() else None
-        if size != stored["bytes"]:
+        if size != expected:
             raise UserError(damaged_shard(path, "is missing" if size is None else
-                                          f"has {size} bytes, the index says {stored['bytes']}", dataset))
-        if shard["zip_data"] is None and (problem := sample_count_problem(shard_sample_count(path), shard["samples"])):
+                                          f"has {size} bytes, the index says {expected}", dataset))
+        if uncompressed and (problem := sample_count_problem(shard_sample_count(path), samples)):
             raise UserError(damaged_shard(path, problem, dataset))
 
 

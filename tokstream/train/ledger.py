@@ -110,17 +110,18 @@ class Ledger:
         return StepReads(step, phase, nodes, ranks, recorded, read.transpose(1, 0, 2).reshape(ranks, -1))
 
     def check_recorded(self, step: int, phase: Phase) -> None:
-        """A step the run recorded must have trained the phase and the tokens this config gives it: a launch after
-        the newest checkpoint may have run with phases edited, and no checkpoint holds its config."""
+        """A step the run recorded must have trained the phase, the tokens and the data this config gives it: a
+        launch after the newest checkpoint may have run with phases edited, and no checkpoint holds its config."""
         record = self.records.get(step)
         if record is None or "tokens" not in record:
             return
-        said = (record.get("phase", 0), record["tokens"])
-        if said != (phase.index, self.recipe.tokens_before(step)):
+        said = (record.get("phase", 0), record["tokens"], record.get("data", self.recipe.data_digest(phase)))
+        gives = (phase.index, self.recipe.tokens_before(step), self.recipe.data_digest(phase))
+        if said != gives:
             raise UserError(f"step {step}: metrics.jsonl says it trained phases.{said[0]} with {said[1]:,} tokens "
-                            f"done, the config of the newest checkpoint (step {self.saved_step}) gives {phase.name} "
-                            f"with {self.recipe.tokens_before(step):,}: a launch since ran another config, which no "
-                            "checkpoint holds")
+                            f"done on data {said[2]}, the config of the newest checkpoint (step {self.saved_step}) "
+                            f"gives phases.{gives[0]} with {gives[1]:,} on data {gives[2]}: a launch since ran another "
+                            "config, which no checkpoint holds")
 
     def order(self, phase: Phase) -> SampleOrder:
         stream = self.recipe.stream(phase)

@@ -20,6 +20,7 @@ The model is built once, for model.block_size, which must be the largest block a
 
 import bisect
 import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -152,6 +153,11 @@ class Recipe:
     def stream(self, phase: Phase) -> str:
         """The key of the phase's stream (stream_key)."""
         return stream_key(self.dataset(phase))
+
+    def data_digest(self, phase: Phase) -> str:
+        """A short name of the data the phase reads (its stream: the datasets' identities and weights), which
+        metrics.jsonl records with each step (train/ledger.py checks it)."""
+        return hashlib.sha256(self.stream(phase).encode()).hexdigest()[:12]
 
     def block_size(self, phase: Phase) -> int:
         return self.dataset(phase).metadata[0].block_size

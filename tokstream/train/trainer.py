@@ -351,10 +351,10 @@ def train(config: TrainConfig) -> bool:
 
 def account_step(run: Run, sample_ids: list[int], tokens: int) -> dict:
     """Count a step's samples per source into what each source has given the run (PhasedBatches.consumed, part
-    of the checkpoint), and return what the step read for metrics.jsonl: tokens so far, the ranks and nodes,
+    of the checkpoint), and return what the step read for metrics.jsonl: tokens so far, the data, ranks and nodes,
     its phase and samples (trace_samples), per source its samples and everything consumed."""
-    # Which ranks read it: with the config, what train/ledger.py needs to say which samples each rank read.
-    record = {"tokens": tokens, "ranks": run.dist.world, "nodes": run.dist.nodes}
+    # Which data and ranks: with the config, what train/ledger.py needs to say which samples each rank read.
+    record = {"tokens": tokens, "ranks": run.dist.world, "nodes": run.dist.nodes, "data": run.recipe.data_digest(run.phase)}
     if len(run.recipe.phases) > 1:
         record["phase"] = run.phase.index
     if run.config.trace_samples:
