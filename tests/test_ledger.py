@@ -129,7 +129,8 @@ def test_a_run_without_ranks_in_its_metrics_needs_them_given_and_other_data_is_r
     for args, said in ((["global_batch_size=16"], "global_batch_size: the ledger reads the run's own settings"),
                        (["--ranks", "0"], "--ranks must be a positive number"),
                        (["--nodes", "2"], "--nodes (1 or more) comes with --ranks"),
-                       (["--ranks", "3"], "global batches of 8 samples, which 3 ranks on 1 node do not share")):
+                       (["--ranks", "3"], "global batches of 8 samples, which 3 ranks on 1 node do not share"),
+                       (["--tokenizer", "gpt2"], "they come with --decode")):
         refused = ledger(run, "--step", "3", *args)
         assert refused.returncode != 0 and said in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
     assert ledger(run, "--steps", "5:3").returncode == 2

@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--ranks-file", help="local tiktoken ranks file for --decode (offline)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="where the run's data lies here, e.g. data.local=DIR")
     args = parser.parse_intermixed_args()  # settings before or after the options
+    if (args.tokenizer or args.ranks_file) and not args.decode:
+        raise UserError("--tokenizer and --ranks-file say how to decode: they come with --decode")
 
     from tokstream.train.ledger import Ledger
 
