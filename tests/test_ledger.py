@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT
 from test_training import tiny_splits
 
+from tokstream.errors import UserError
 from tokstream.reader import BatchPlan, DataConfig, SampleOrder, StreamConfig, TrainBatches, open_dataset
 
 
@@ -94,51 +95,62 @@ def test_the_ledger_gives_each_steps_samples_with_their_text(run, datasets):
     assert lines[4] == f"    ds {sample}: {json.dumps(decoded, ensure_ascii=False)}"
 
 
+def refusal(call) -> str:
+    with pytest.raises(UserError) as refused:
+        call()
+    return str(refused.value)
+
+
 def test_a_run_without_ranks_in_its_metrics_needs_them_given_and_other_data_is_refused(run, datasets, tmp_path):
+    """In process, as the CLI's core answers (the CLI's one-line errors: the last cases)."""
     import shutil
 
-    old = tmp_path / "old"
-    shutil.copytree(run, old)
-    records = [json.loads(line) for line in (old / "metrics.jsonl").read_text().splitlines()]
-    (old / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("ranks", "nodes")})
-                                               + "\n" for r in records))
-    refused = ledger(old, "--step", "3")
-    assert refused.returncode != 0 and refused.stderr.strip().splitlines()[-1] == (
-        "error: the run's metrics.jsonl does not say which ranks ran step 3 (a run from before the ledger, or a step "
+    from tokstream.train.ledger import Ledger
+
+    def rewritten(name: str, edit) -> Path:
+        """A copy of the run whose metrics lines are edit(record)."""
+        shutil.copytree(run, tmp_path / name)
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(edit(r)) + "\n" for r in records))
+        return tmp_path / name
+
+    def answer(run_dir: Path, step: int, *overrides: str, **layout):
+        ledger = Ledger.of_run(str(run_dir), list(overrides))
+        try:
+            return ledger.step(step, **layout).samples.tolist()
+        finally:
+            ledger.close()
+
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    old = rewritten("old", lambda r: {k: v for k, v in r.items() if k not in ("ranks", "nodes")})
+    assert refusal(lambda: answer(old, 3)) == (
+        "the run's metrics.jsonl does not say which ranks ran step 3 (a run from before the ledger, or a step "
         "it has no line for): give --ranks (and --nodes)")
-    dealt = json_lines(ledger(old, "--step", "3", "--ranks", "2", "--json"))[0]
-    assert [len(rank) for rank in dealt["samples"]] == [4, 4]
-    assert sorted(sum(dealt["samples"], [])) == sorted(records[2]["samples"][0])  # the step's, dealt to 2 ranks
-    # Steps made since the newest checkpoint by a launch with another config (none of its checkpoints left):
-    edited = tmp_path / "edited"
-    shutil.copytree(run, edited)
-    (edited / "metrics.jsonl").write_text("".join(json.dumps({**r, "phase": 1} if r["step"] > 8 else r) + "\n"
-                                                  for r in records))
-    assert ledger(edited, "--step", "8").returncode == 0
-    refused = ledger(edited, "--step", "9")
+    dealt = answer(old, 3, ranks=2)
+    assert [len(rank) for rank in dealt] == [4, 4] and sorted(sum(dealt, [])) == sorted(records[2]["samples"][0])
+    for layout, said in ((dict(ranks=0), "--ranks must be a positive number"),
+                         (dict(nodes=2), "--nodes (1 or more) comes with --ranks"),
+                         (dict(ranks=3), "global batches of 8 samples, which 3 ranks on 1 node do not share")):
+        assert said in refusal(lambda: answer(run, 3, **layout))
+    assert refusal(lambda: answer(run, 3, "global_batch_size=16")).startswith(
+        "global_batch_size: the ledger reads the run's own settings")
+    assert "is not the data the run read" in refusal(lambda: answer(run, 3, f"data.remote={datasets['b']}"))
+    (tmp_path / "empty").mkdir()
+    assert "holds no checkpoint" in refusal(lambda: answer(tmp_path / "empty", 1))
+    assert "is not a directory" in refusal(lambda: answer(tmp_path / "missing", 1))
+    assert not (tmp_path / "missing").exists()
+    # Steps made since the newest checkpoint by a launch with another config (none of its checkpoints left), in
+    # another phase or on other data (a phase not started at the checkpoint may change its data on relaunch):
+    other_data = rewritten("data", lambda r: {**r, "data": "0" * 12} if r["step"] > 8 else r)
+    assert answer(other_data, 8) == records[7]["samples"]
+    assert "on data 000000000000, the config" in refusal(lambda: answer(other_data, 9))
+    other_phase = rewritten("phase", lambda r: {**r, "phase": 1} if r["step"] > 8 else r)
     data = records[8]["data"]
+    refused = ledger(other_phase, "--step", "9")
     assert refused.returncode != 0 and refused.stderr.strip() == (
         f"error: step 9: metrics.jsonl says it trained phases.1 with 4,608 tokens done on data {data}, the config of "
         f"the newest checkpoint (step 10) gives phases.0 with 4,608 on data {data}: a launch since ran another "
         "config, which no checkpoint holds")
-    # ... or the same phase on other data (a phase not started at the checkpoint may change its data)
-    (edited / "metrics.jsonl").write_text("".join(json.dumps({**r, "data": "0" * 12} if r["step"] > 8 else r) + "\n"
-                                                  for r in records))
-    refused = ledger(edited, "--step", "9")
-    assert refused.returncode != 0 and "on data 000000000000, the config" in refused.stderr
-    for args, said in ((["global_batch_size=16"], "global_batch_size: the ledger reads the run's own settings"),
-                       (["--ranks", "0"], "--ranks must be a positive number"),
-                       (["--nodes", "2"], "--nodes (1 or more) comes with --ranks"),
-                       (["--ranks", "3"], "global batches of 8 samples, which 3 ranks on 1 node do not share"),
-                       (["--tokenizer", "gpt2"], "they come with --decode")):
-        refused = ledger(run, "--step", "3", *args)
-        assert refused.returncode != 0 and said in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    refused = ledger(run, "--step", "3", "--tokenizer", "gpt2")
+    assert refused.returncode != 0 and refused.stderr.strip() == (
+        "error: --tokenizer and --ranks-file say how to decode: they come with --decode")
     assert ledger(run, "--steps", "5:3").returncode == 2
-    other = ledger(run, "--step", "3", f"data.remote={datasets['b']}")
-    assert other.returncode != 0 and "is not the data the run read" in other.stderr
-    assert len(other.stderr.strip().splitlines()) == 1, other.stderr
-    (tmp_path / "empty").mkdir()
-    empty = ledger(tmp_path / "empty", "--step", "1")
-    assert empty.returncode != 0 and "holds no checkpoint" in empty.stderr
-    missing = ledger(tmp_path / "missing", "--step", "1")
-    assert missing.returncode != 0 and "is not a directory" in missing.stderr and not (tmp_path / "missing").exists()
