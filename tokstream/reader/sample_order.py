@@ -13,7 +13,7 @@ import numpy as np
 
 from tokstream.errors import UserError
 from tokstream.reader.batch_plan import BatchPlan
-from tokstream.reader.batches import make_loader
+from tokstream.reader.batches import _source_of, make_loader
 from tokstream.reader.dataset import Dataset
 from tokstream.reader.streaming_door import streaming_internals as internals
 
@@ -69,7 +69,7 @@ class SampleOrder:
     def source_of(self, sample_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each sample's source (index in the dataset's sources) and its id within that source."""
         sample_ids = np.asarray(sample_ids, dtype=np.int64)
-        sources = np.searchsorted(self.first_sample_of_source, sample_ids, side="right") - 1
+        sources = _source_of(self.first_sample_of_source, sample_ids)  # as TrainBatches labels them
         return sources, sample_ids - self.first_sample_of_source[sources]
 
     def tokens(self, sample_ids: list[int]) -> np.ndarray:
