@@ -12,7 +12,7 @@ from conftest import ROOT
 
 from tokstream.errors import UserError
 from tokstream.train.checkpoint import find_latest
-from tokstream.train.checkpoint_files import Survey, write_checkpoint
+from tokstream.train.checkpoint_files import Survey, read_manifest, write_checkpoint
 from tokstream.train.config import load_config
 from tokstream.train.run_store import LocalRunStore
 
@@ -224,8 +224,9 @@ def test_vouching_for_checkpoints_without_a_manifest_lets_the_run_resume_from_th
     import subprocess
     import sys
 
+    run = {"run_id": "0123abcd", "config": {"max_steps": 8}, "phase_identities": ["a1b2"]}
     for step in (4, 8):
-        torch.save(trainer_state(step), tmp_path / f"ckpt-{step:08d}.pt")
+        torch.save({**trainer_state(step), "run": run}, tmp_path / f"ckpt-{step:08d}.pt")
     torch.save(trainer_state(3), tmp_path / "ckpt-00000012.pt")  # misnamed
     vouch = [sys.executable, str(ROOT / "train/vouch.py"), str(tmp_path)]
     refused = subprocess.run(vouch, capture_output=True, text=True, timeout=120)
@@ -233,6 +234,8 @@ def test_vouching_for_checkpoints_without_a_manifest_lets_the_run_resume_from_th
         f"error: {tmp_path}/ckpt-00000012.pt cannot be vouched for: ValueError: it holds no trainer state of step "
         "12; nothing was written\n")
     assert complete(tmp_path) == [4, 8]  # the two before it were vouched for
+    manifest = read_manifest(LocalRunStore(tmp_path), 8)
+    assert manifest["run_id"] == "0123abcd" and manifest["run"] == run  # the ledger reads the run's record there
     done = subprocess.run([*vouch, "--step", "8"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "ckpt-00000008.pt: it has a manifest already" in done.stderr
     url, state = load_latest(tmp_path)

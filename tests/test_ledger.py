@@ -134,6 +134,27 @@ def test_a_run_without_ranks_in_its_metrics_needs_them_given_and_other_data_is_r
     assert refusal(lambda: answer(run, 3, "global_batch_size=16")).startswith(
         "global_batch_size: the ledger reads the run's own settings")
     assert "is not the data the run read" in refusal(lambda: answer(run, 3, f"data.remote={datasets['b']}"))
+    # The run's record comes from the newest manifest, so the checkpoint (gigabytes, from S3) is not read; where a
+    # manifest has no record (saves before 2026-11-25), from the checkpoint itself, verified.
+    unread = rewritten("unread", lambda r: r)
+    for path in unread.glob("ckpt-*.pt"):
+        path.write_bytes(b"not read")
+    assert answer(unread, 7) == records[6]["samples"]
+    older = rewritten("older", lambda r: r)
+    for path in older.glob("ckpt-*.manifest.json"):
+        path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "run"}))
+    assert answer(older, 7) == records[6]["samples"]
+    for path in older.glob("ckpt-*.pt"):
+        path.write_bytes(b"read")
+    assert "none of which can be resumed from" in refusal(lambda: answer(older, 7))
+    busy = tmp_path / "busy"  # a cache a running reader uses (streaming refuses a second): the setting to change
+    reading = TrainBatches(open_dataset(DataConfig(remote=str(datasets["a"]), local=str(busy))), BatchPlan(8, 4, 1))
+    try:
+        for setting in ("data.local", "phases.0.data.local"):
+            assert refusal(lambda: answer(run, 3, f"{setting}={busy}")).endswith(
+                f"in use by a running reader (the run itself?): give the ledger a cache of its own, e.g. {setting}=DIR")
+    finally:
+        reading.close()
     (tmp_path / "empty").mkdir()
     assert "holds no checkpoint" in refusal(lambda: answer(tmp_path / "empty", 1))
     assert "is not a directory" in refusal(lambda: answer(tmp_path / "missing", 1))
@@ -153,4 +174,5 @@ def test_a_run_without_ranks_in_its_metrics_needs_them_given_and_other_data_is_r
     refused = ledger(run, "--step", "3", "--tokenizer", "gpt2")
     assert refused.returncode != 0 and refused.stderr.strip() == (
         "error: --tokenizer and --ranks-file say how to decode: they come with --decode")
-    assert ledger(run, "--steps", "5:3").returncode == 2
+    refused = ledger(run, "--steps", "5:3")
+    assert refused.returncode == 2 and refused.stderr == "error: --steps 5:3: FIRST is after LAST\n"

@@ -18,14 +18,14 @@ from tokstream.errors import UserError, run_cli  # noqa: E402
 
 
 def step_range(text: str) -> range:
-    """N, or FIRST:LAST (both counted, FIRST <= LAST)."""
+    """FIRST:LAST (both counted, FIRST <= LAST): a wrong one is a line of its own, not argparse's usage block."""
     first, colon, last = text.partition(":")
     try:
         steps = range(int(first), int(last if colon else first) + 1)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not N or FIRST:LAST") from None
+        raise UserError(f"--steps {text}: give FIRST:LAST, e.g. --steps 100:110") from None
     if not steps:
-        raise argparse.ArgumentTypeError(f"{text!r}: FIRST is after LAST")
+        raise UserError(f"--steps {text}: FIRST is after LAST")
     return steps
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("run_dir", help="the run's run_dir: a path or s3://bucket/prefix")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--step", type=int, help="a step, counted from 1 as metrics.jsonl counts")
-    which.add_argument("--steps", type=step_range, metavar="FIRST:LAST", help="steps FIRST to LAST")
+    which.add_argument("--steps", metavar="FIRST:LAST", help="steps FIRST to LAST")
     parser.add_argument("--decode", action="store_true", help="also each sample's text")
     parser.add_argument("--json", action="store_true", help="one JSON object per step")
     parser.add_argument("--ranks", type=int, help="ranks to deal the step to (default: what ran it)")
@@ -45,12 +45,13 @@ def main() -> None:
     args = parser.parse_intermixed_args()  # settings before or after the options
     if (args.tokenizer or args.ranks_file) and not args.decode:
         raise UserError("--tokenizer and --ranks-file say how to decode: they come with --decode")
+    steps = [args.step] if args.step is not None else step_range(args.steps)
 
     from tokstream.train.ledger import Ledger
 
     ledger = Ledger.of_run(args.run_dir, args.overrides)
     try:
-        for step in [args.step] if args.step is not None else args.steps:
+        for step in steps:
             reads = ledger.step(step, args.ranks, args.nodes)
             texts = [ledger.texts(reads.phase, rank, args.tokenizer, args.ranks_file) for rank in reads.samples] \
                 if args.decode else None

@@ -55,6 +55,19 @@ def find_latest(store: RunStore, dist: Distributed | None = None) -> tuple[str, 
     return url, saved
 
 
+def newest_run_record(store: RunStore) -> tuple[int, dict] | tuple[None, None]:
+    """(step, run record: config, data identities) of the run's newest checkpoint, from its manifest where it
+    carries one (saves since 2026-11-25), else from the checkpoint, verified (find_latest); (None, None) for none."""
+    for step in reversed(Survey.of(store).complete):
+        manifest = read_manifest(store, step)
+        if manifest is not None:
+            if isinstance(manifest.get("run"), dict):
+                return step, manifest["run"]
+            break
+    _, saved = find_latest(store)
+    return (None, None) if saved is None else (saved["progress"]["step"], saved["run"])
+
+
 def _silent(*args, **kwargs) -> None:
     pass
 
@@ -182,8 +195,9 @@ def vouch_for(store: RunStore, steps: list[int] | None = None) -> list[str]:
             saved = torch.load(path, map_location="cpu", weights_only=True)
             if saved.get("progress", {}).get("step") != step:
                 raise ValueError(f"it holds no trainer state of step {step}")
-            write_manifest(store, step, file_bytes_and_digest(path), (saved.get("run") or {}).get("run_id")
-                           or f"vouched-{new_run_id()}")
+            run = saved.get("run") if isinstance(saved.get("run"), dict) else None
+            write_manifest(store, step, file_bytes_and_digest(path), (run or {}).get("run_id")
+                           or f"vouched-{new_run_id()}", run)
         except Exception as err:
             raise UserError(f"{store.url}/{name} cannot be vouched for: {type(err).__name__}: {err}; nothing "
                             "was written") from None

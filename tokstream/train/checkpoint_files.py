@@ -17,6 +17,9 @@ Deletion is proven, never inferred. Only these are ever removed:
 A data file without a manifest (a save cut off before its manifest, or one written before manifests
 existed) is never removed and never resumed from (train/vouch.py writes a manifest on a person's
 word); saving that step again replaces it. A relaunch also trims metrics.jsonl to the step it resumes from.
+
+A manifest also carries the run's record (its config and data identities, as in the checkpoint), so a tool that
+needs no weights (train/ledger.py) reads a few kilobytes, not the checkpoint: gigabytes, from S3.
 """
 
 import json
@@ -118,9 +121,12 @@ def mismatch(path: Path, manifest: dict) -> str | None:
     return None
 
 
-def write_manifest(store: RunStore, step: int, size_and_digest: tuple[int, str], run_id: str) -> None:
+def write_manifest(store: RunStore, step: int, size_and_digest: tuple[int, str], run_id: str,
+                   run: dict | None = None) -> None:
     manifest = {"checkpoint": checkpoint_name(step), "step": step, "bytes": size_and_digest[0],
                 HASH: size_and_digest[1], "run_id": run_id}
+    if run is not None:
+        manifest["run"] = run
     store.publish_bytes(manifest_name(step), json.dumps(manifest).encode())
 
 
@@ -166,7 +172,7 @@ def write_checkpoint(store: RunStore, step: int, state: dict, keep: int, run_id:
         store.publish(staged, name)
     finally:
         staged.unlink(missing_ok=True)
-    write_manifest(store, step, (writer.bytes, writer.digest.hexdigest()), run_id)
+    write_manifest(store, step, (writer.bytes, writer.digest.hexdigest()), run_id, state.get("run"))
     if metrics is not None:
         store.publish_bytes(METRICS_FILE, metrics)
     store.publish_bytes(POINTER, json.dumps({"checkpoint": name, "step": step}).encode())

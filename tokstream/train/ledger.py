@@ -2,7 +2,7 @@
 
 A step's samples are a function of the config and the step (phases.py), and which rank read which of them a
 function of the ranks and nodes that ran it. The run records both: its config and the identity of each phase's
-data in every checkpoint, its ranks and nodes in each step's line of metrics.jsonl. The ledger takes the newest
+data in every checkpoint and its manifest, its ranks and nodes in each step's line of metrics.jsonl. The ledger takes the newest
 checkpoint's, checks that the data it finds is the data the run read and that each recorded step's phase and
 tokens are what that config gives, and computes each step's reads with the reader's own order
 (tokstream.reader.SampleOrder): for steps the run made, whatever world sizes it was relaunched on, and for steps
@@ -21,7 +21,7 @@ from tokstream.errors import UserError
 from tokstream.object_store import is_s3
 from tokstream.reader import SampleOrder
 from tokstream.tokenizer import Tokenizer, dataset_tokenizer
-from tokstream.train.checkpoint import find_latest
+from tokstream.train.checkpoint import newest_run_record
 from tokstream.train.config import TrainConfig, apply_overrides, config_from_dict
 from tokstream.train.metrics import read_records
 from tokstream.train.phases import Phase, Recipe, started
@@ -62,17 +62,16 @@ class Ledger:
                                 f"lies ({', '.join(WHERE_DATA_LIES)})")
         store = open_run_store(run_dir, None, check_writable=False)
         with contextlib.redirect_stdout(sys.stderr):  # the checkpoint search's warnings are not the answer
-            _, saved = find_latest(store)
-        if saved is None:
+            step, run = newest_run_record(store)
+        if run is None:
             raise UserError(f"{run_dir} holds no checkpoint: the ledger reads a run's config from its checkpoints")
-        config = apply_overrides(config_from_dict(saved["run"]["config"]), overrides)
+        config = apply_overrides(config_from_dict(run["config"]), overrides)
         try:
             recipe = Recipe.open(config, 1)
         except UserError as err:
             raise UserError(f"{err} (the ledger opens every phase's data: give where it lies here, e.g. "
                             "data.remote=PATH or phases.N.data.remote=PATH)") from None
-        step = saved["progress"]["step"]
-        identities = saved["run"].get("phase_identities") or [saved["run"]["dataset_identity"]]
+        identities = run.get("phase_identities") or [run["dataset_identity"]]
         for phase, identity in zip(recipe.phases, identities):
             found = recipe.dataset(phase).identity
             if started(phase, step) and found != identity:
@@ -132,8 +131,19 @@ class Ledger:
                 if "Reused local directory" not in str(err):  # streaming's word for a cache a live reader uses
                     raise
                 raise UserError(f"{phase.name}'s data cache is in use by a running reader (the run itself?): give the "
-                                "ledger a cache of its own, e.g. data.local=DIR") from None
+                                f"ledger a cache of its own, e.g. {self._cache_setting(phase)}=DIR") from None
         return self._orders[stream]
+
+    def _cache_setting(self, phase: Phase) -> str:
+        """The setting that places `phase`'s cache: that of the last phase up to it to set one, else data.local
+        (under which a phase that names its data without a cache has its own)."""
+        for index in range(phase.index, -1, -1) if self.config.phases else ():
+            given = self.config.phases[index].data
+            if given.local is not None:
+                return f"phases.{index}.data.local"
+            if given.remote or given.streams:
+                break
+        return "data.local"
 
     def sources(self, phase: Phase, sample_ids: np.ndarray) -> list[tuple[str, int]]:
         """Each sample's source name and id within it."""
