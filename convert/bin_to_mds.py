@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
 from tokstream.cli import add_output_arguments, output_options, summary  # noqa: E402
-from tokstream.errors import UserError, run_cli  # noqa: E402
+from tokstream.errors import CommandLine, UserError, run_cli  # noqa: E402
 from tokstream.output_guard import check_output_location, conversion_lock  # noqa: E402
 from tokstream.remote_token_files import expand_url, is_url  # noqa: E402
 from tokstream.token_conversion import Vocabulary, convert_token_files  # noqa: E402
@@ -66,7 +66,7 @@ def vocabulary(args: argparse.Namespace, files: list) -> Vocabulary:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLine(__doc__)
     parser.add_argument("inputs", nargs="+", help="token files or quoted globs, concatenated in this order")
     parser.add_argument("--split", default="train", help="split the inputs go to (default train)")
     parser.add_argument("--val", nargs="+", default=None, metavar="FILE",

@@ -10,7 +10,6 @@ A hub dataset (or a builder over --data-files) streams through `datasets`; a rer
 continues the stream from its saved position instead of streaming from the start again.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 
 from tokstream.cleaning import Cleaning  # noqa: E402
 from tokstream.cli import add_parts_arguments, add_text_arguments, run_text_conversion  # noqa: E402
-from tokstream.errors import run_cli  # noqa: E402
+from tokstream.errors import CommandLine, run_cli  # noqa: E402
 from tokstream.sources import TXT_DOC_MODES  # noqa: E402
 
 DEFAULT_DATASET = "Skylion007/openwebtext"
@@ -28,7 +27,7 @@ DEFAULT_REVISION = "refs/convert/parquet"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLine(__doc__)
     parser.add_argument("--dataset", nargs="+", default=[DEFAULT_DATASET],
                         help="hub dataset name, or local files/folders (.txt, .jsonl, .json, .parquet)")
     parser.add_argument("--revision", default=None,

@@ -6,7 +6,6 @@
 Tokenization, split and output are those of owt_to_mds.py. Empty documents are dropped and counted.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -14,13 +13,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 
 from tokstream.cleaning import NORMALIZE_MODES, Cleaning  # noqa: E402
 from tokstream.cli import add_parts_arguments, add_text_arguments, run_text_conversion  # noqa: E402
-from tokstream.errors import run_cli  # noqa: E402
+from tokstream.errors import CommandLine, run_cli  # noqa: E402
 from tokstream.format import parse_size  # noqa: E402
 from tokstream.sources import TXT_DOC_MODES  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLine(__doc__)
     parser.add_argument("inputs", nargs="+", help="text files or folders (.txt; .jsonl/.parquet also read)")
     parser.add_argument("--doc-per", choices=TXT_DOC_MODES, default="file",
                         help="one document per file, per line, or per blank-line-separated paragraph")

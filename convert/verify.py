@@ -4,18 +4,17 @@
     python convert/verify.py data/owt --decode 12     # also print train sample 12 as text
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
-from tokstream.errors import UserError, run_cli  # noqa: E402
+from tokstream.errors import CommandLine, UserError, run_cli  # noqa: E402
 from tokstream.verify import read_sample, verify_dataset  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLine(__doc__)
     parser.add_argument("root", help="dataset root written by a converter: a local path or s3://bucket/prefix")
     parser.add_argument("--decode", type=int, metavar="K", help="print sample K as text")
     parser.add_argument("--split", default="train", help="split for --decode")

@@ -1,5 +1,6 @@
 """The errors a user should see as a single line, never a traceback, and the wrapper that prints them."""
 
+import argparse
 import errno
 import os
 import signal
@@ -40,6 +41,17 @@ def no_space(where: object, err: OSError | None = None) -> str:
     """The start of every full-disk line: which device, and the system's word for why (ENOSPC's if no
     write has failed yet)."""
     return f"no space left on the device holding {where} ({err.strerror if err else os.strerror(errno.ENOSPC)})"
+
+
+class CommandLine(argparse.ArgumentParser):
+    """argparse for a script run through run_cli, its docstring as the description: a wrong argument is one
+    line like every other refusal (argparse's own error prints its usage block first)."""
+
+    def __init__(self, description: str | None, **kwargs):
+        super().__init__(description=description, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message} ({self.prog} --help lists the options)")
 
 
 CONVERSION_INTERRUPTED = "interrupted: the output was not completed (see README: what resumes and what restarts)"

@@ -7,18 +7,17 @@ identity of its data, the ranks of each step), without running the model; also f
     python train/ledger.py runs/gpt2 --step 7 data.remote=/mnt/owt  # the run's data, where it lies here
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
-from tokstream.errors import UserError, run_cli  # noqa: E402
+from tokstream.errors import CommandLine, UserError, run_cli  # noqa: E402
 
 
 def step_range(text: str) -> range:
-    """FIRST:LAST (both counted, FIRST <= LAST): a wrong one is a line of its own, not argparse's usage block."""
+    """FIRST:LAST (both counted, FIRST <= LAST)."""
     first, colon, last = text.partition(":")
     try:
         steps = range(int(first), int(last if colon else first) + 1)
@@ -30,7 +29,7 @@ def step_range(text: str) -> range:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLine(__doc__)
     parser.add_argument("run_dir", help="the run's run_dir: a path or s3://bucket/prefix")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--step", type=int, help="a step, counted from 1 as metrics.jsonl counts")
@@ -86,4 +85,4 @@ def text_lines(ledger, reads, texts: list[list[str]] | None) -> list[str]:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, interrupted="interrupted: the ledger only reads; nothing was written")

@@ -6,7 +6,6 @@ and for a mixture each source's validation loss; over steps, with the tokens con
     python train/plot.py runs/a runs/b --out compare.png
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -19,13 +18,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
+from tokstream.errors import CommandLine, UserError, run_cli  # noqa: E402
+from tokstream.object_store import is_s3  # noqa: E402
 from tokstream.train.metrics import read_records  # noqa: E402
 
 
 def read_metrics(run_dir: str) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise SystemExit(f"error: {path} does not exist: is {run_dir} a run directory?")
+    if not is_s3(run_dir) and not path.is_file():
+        raise UserError(f"{path} does not exist: is {run_dir} a run directory?")
     return read_records(run_dir)
 
 
@@ -74,7 +75,7 @@ def mark_tokens_and_phases(axis, records: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLine(__doc__)
     parser.add_argument("run_dirs", nargs="+")
     parser.add_argument("--out", default="loss.png")
     args = parser.parse_args()
@@ -83,4 +84,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, interrupted="interrupted: the plot may be incomplete; run it again")

@@ -9,17 +9,16 @@ off between its file and its manifest. This writes one for each file named, afte
 loads as the trainer's checkpoint of the step its name says. Nothing is deleted.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
-from tokstream.errors import run_cli  # noqa: E402
+from tokstream.errors import CommandLine, run_cli  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandLine(__doc__)
     parser.add_argument("run_dir", help="the run's directory, or s3://bucket/prefix")
     parser.add_argument("--step", type=int, action="append", help="a checkpoint's step (repeatable); default: all")
     parser.add_argument("--run-local", help="scratch for an S3 run's downloads (default: under TMPDIR)")
@@ -33,4 +32,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, interrupted="interrupted: a manifest is written whole or not at all; run it again for the checkpoints still without one")
