@@ -63,15 +63,20 @@ def json_lines(done: subprocess.CompletedProcess) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
-@pytest.fixture(scope="module")
-def run(datasets, tmp_path_factory) -> Path:
-    """10 steps of configs/tiny.yaml on one process over `a` (40 samples: 8 a step, two epoch ends), traced."""
-    run_dir = tmp_path_factory.mktemp("run")
-    done = subprocess.run([sys.executable, str(ROOT / "train/main.py"), "configs/tiny.yaml", "max_steps=10",
+def train(run_dir: Path, data: Path, steps: int) -> None:
+    """configs/tiny.yaml on one process over `data`, 8 samples a step, traced, to `steps` (a relaunch goes on)."""
+    done = subprocess.run([sys.executable, str(ROOT / "train/main.py"), "configs/tiny.yaml", f"max_steps={steps}",
                            "optim.decay_steps=10", "checkpoint_interval=5", "eval_interval=0", "trace_samples=true",
-                           "global_batch_size=8", "micro_batch_size=4", f"data.remote={datasets['a']}",
+                           "global_batch_size=8", "micro_batch_size=4", f"data.remote={data}",
                            f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def run(datasets, tmp_path_factory) -> Path:
+    """10 steps over `a` (40 samples: 8 a step, two epoch ends)."""
+    run_dir = tmp_path_factory.mktemp("run")
+    train(run_dir, datasets["a"], 10)
     return run_dir
 
 
@@ -93,6 +98,20 @@ def test_the_ledger_gives_each_steps_samples_with_their_text(run, datasets):
     sample = traced[6]["samples"][0][2]
     decoded = load_tokenizer("gpt2").decode(read_sample(datasets["a"], "train", sample).tolist())
     assert lines[4] == f"    ds {sample}: {json.dumps(decoded, ensure_ascii=False)}"
+
+
+def test_steps_not_made_yet_are_what_the_run_reads_when_it_goes_on(run, datasets, tmp_path):
+    """Past the run's last step, the ledger deals the steps to the last launch's ranks: what a relaunch that goes
+    on then reads (here into the next epoch)."""
+    import shutil
+
+    from tokstream.train.metrics import read_records
+
+    predicted = json_lines(ledger(run, "--steps", "11:14", "--json"))
+    shutil.copytree(run, tmp_path / "run")
+    train(tmp_path / "run", datasets["a"], 14)
+    assert [line["samples"] for line in predicted] == [record["samples"] for record in read_records(tmp_path / "run")[10:]]
+    assert [line["recorded"] for line in json_lines(ledger(tmp_path / "run", "--steps", "11:14", "--json"))] == [True] * 4
 
 
 def refusal(call) -> str:

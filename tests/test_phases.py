@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, SHARED
@@ -445,3 +446,59 @@ def test_a_checkpoint_from_before_phases_counts_a_single_datasets_samples_from_i
     batches = PhasedBatches(recipe, pin_memory=False)
     count_before_phases(batches, recipe, 10, master=False)
     assert batches.consumed_by_name() == {"ds": {"samples": 40, "tokens": 40 * 64}}
+
+
+def val_loss_of_checkpoint(run_dir: Path, step: int, remote: Path, attention: str) -> float:
+    """The mean loss of the checkpoint of `step` over the first eval_batches micro-batches of `remote`'s val split,
+    with `attention`, in one process: what a 1-rank run's val_loss at that step is (its weights are the same)."""
+    import torch
+
+    from tokstream.reader import eval_batches
+    from tokstream.train.checkpoint_files import checkpoint_name
+    from tokstream.train.config import config_from_dict
+    from tokstream.train.model import GPT
+    from tokstream.train.trainer import max_documents, model_inputs
+
+    saved = torch.load(run_dir / checkpoint_name(step), map_location="cpu", weights_only=True)
+    config = config_from_dict(saved["run"]["config"])
+    config.model.attention = attention
+    model = GPT(config.model)
+    model.load_state_dict(saved["model"])
+    loaders, _ = eval_batches(open_dataset(DataConfig(remote=str(remote))), config.micro_batch_size, 1,
+                              max_documents=max_documents(config))
+    (loader,) = loaders.values()
+    losses = []
+    model.eval()
+    with torch.no_grad():
+        for _, batch in zip(range(config.eval_batches), loader):
+            inputs, targets, document_args = model_inputs(batch, torch.device("cpu"), config)
+            losses.append(float(model(inputs, targets, **document_args)))
+    return sum(losses) / len(losses)
+
+
+def test_evaluation_reads_the_current_phases_val_split_with_the_models_attention(dataset, tmp_path):
+    """A run with document attention whose second phase reads another corpus (both with several documents a
+    sample): each val_loss is its step's weights over that step's phase's val split with document attention,
+    not the other phase's split and not causal attention."""
+    from conftest import wikitext_articles
+
+    from tokstream.options import ConversionOptions
+    from tokstream.sources import open_source
+    from tokstream.text_one_pass import convert_documents
+    from tokstream.tokenizer import load_tokenizer
+
+    (tmp_path / "wiki.txt").write_text("".join(wikitext_articles()[:40]))
+    wiki = tmp_path / "wiki"
+    convert_documents(open_source([str(tmp_path / "wiki.txt")], txt_docs="line"), load_tokenizer("gpt2"),
+                      str(wiki), ConversionOptions(block_size=64, val_fraction=0.1, progress=False))
+    run_dir = tmp_path / "run"
+    train(1, dataset, run_dir, "max_steps=8", "optim.decay_steps=8", "eval_interval=4", "keep_checkpoints=0",
+          "model.attention=document", f"phases=[{{start_step: 0}}, {{start_step: 4, data: {{remote: '{wiki}'}}}}]")
+    val_loss = {record["step"]: record["val_loss"] for record in metrics(run_dir) if "val_loss" in record}
+    assert sorted(val_loss) == [4, 8]
+    # Equal to rel 1e-5 (float32 sums in another order); the alternatives differ by more than 1e-4 (causal attention
+    # by 4e-4: a tiny model 8 steps in barely uses its context, but these numbers are deterministic)
+    assert val_loss[4] == pytest.approx(val_loss_of_checkpoint(run_dir, 4, dataset, "document"), rel=1e-5)
+    assert val_loss[8] == pytest.approx(val_loss_of_checkpoint(run_dir, 8, wiki, "document"), rel=1e-5)
+    assert val_loss[8] != pytest.approx(val_loss_of_checkpoint(run_dir, 8, dataset, "document"), rel=1e-4)
+    assert val_loss[8] != pytest.approx(val_loss_of_checkpoint(run_dir, 8, wiki, "causal"), rel=1e-4)
