@@ -75,9 +75,14 @@ def test_split_is_reproducible_and_partitions_documents(tmp_path, gpt2):
     meta = read_metadata(tmp_path / "a")
     assert meta.splits["train"].documents + meta.splits["val"].documents == len(docs)
 
-    # Same seed, same bytes; another seed, another split.
+    # Same seed, same bytes; the documents in another order, the same documents in val; another seed, another split.
     convert([corpus], tmp_path / "b", block_size=32, val_fraction=0.05, seed=7, txt_docs="paragraph")
     assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")
+    reordered = tmp_path / "reordered.txt"
+    reordered.write_text("\n\n".join(docs[::-1]) + "\n")
+    convert([reordered], tmp_path / "c", block_size=32, val_fraction=0.05, seed=7, txt_docs="paragraph")
+    expected = expected_samples(nanogpt_stream(gpt2.encoding, val_docs[::-1]), 32)
+    np.testing.assert_array_equal(stock_samples(tmp_path / "c", "val"), expected)
     assert [d for d in docs if is_val_document(d, 8, 0.05)] != val_docs
 
 

@@ -162,7 +162,10 @@ def rerun_resumes_to_a_local_conversions_bytes(args: list, prefix: str, tmp_path
     ("no credentials", "no AWS credentials found"),
     ("access denied", "access denied (HTTP 403)"),
 ])
-def test_start_up_errors_are_one_line_before_any_work(proxy, corpus, tmp_path, case, message):
+def test_start_up_errors_are_one_line_before_any_work(proxy, tmp_path, case, message):
+    """Before any work: the corpus is a FIFO nobody writes, so a converter that opened it first would hang."""
+    corpus = tmp_path / "corpus.jsonl"
+    os.mkfifo(corpus)
     env = dict(os.environ)
     out = f"s3://{BUCKET}/denied"
     if case == "no bucket":
@@ -173,10 +176,9 @@ def test_start_up_errors_are_one_line_before_any_work(proxy, corpus, tmp_path, c
         env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
     else:
         proxy.fail("*", f"/{BUCKET}", times=-1, status=403)
-    done = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", out, *CONVERT, env=env, timeout=120)
+    done = run_script("convert/owt_to_mds.py", "--dataset", corpus, "--out", out, *CONVERT, env=env, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "tokenizing" not in done.stderr
 
 
 def test_training_on_s3_data_without_credentials_says_so_in_one_line(proxy, tmp_path):

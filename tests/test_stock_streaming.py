@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tokstream.reader import streaming_door  # first: it imports streaming as training does (stock_streaming imports it too)
 
 from conftest import ROOT  # noqa: I001
@@ -43,11 +45,14 @@ def test_importing_the_reader_or_the_trainer_replaces_nothing_but_what_defers_tr
         out.stderr[-2000:])
 
 
-def test_building_a_reader_puts_every_replacement_in_place(dataset):
-    """What opens the door: TrainBatches (through TokenDataset), in a fresh process that did nothing else."""
-    code = ("import sys; from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset; "
-            "from stock_streaming import replaced_in_streaming; "
-            "TrainBatches(open_dataset(DataConfig(remote=sys.argv[1])), BatchPlan(8, 8, 1)).close(); "
+@pytest.mark.parametrize("reader", [
+    "TrainBatches(open_dataset(DataConfig(remote=sys.argv[1])), BatchPlan(8, 8, 1)).close()",
+    "next(iter(eval_batches(open_dataset(DataConfig(remote=sys.argv[1])), 4, 1)[0]['ds']))"])
+def test_building_a_reader_puts_every_replacement_in_place(dataset, reader):
+    """What opens the door: TrainBatches or eval_batches (through TokenDataset), in a fresh process that did
+    nothing else."""
+    code = ("import sys; from tokstream.reader import BatchPlan, DataConfig, TrainBatches, eval_batches, open_dataset; "
+            f"from stock_streaming import replaced_in_streaming; {reader}; "
             "print(sorted(n for n in replaced_in_streaming() if not n.startswith('imported ')))")
     out = subprocess.run([sys.executable, "-c", code, str(dataset)], cwd=ROOT / "tests", capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})

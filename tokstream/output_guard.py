@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 
 from tokstream.errors import NoSpace, UserError, no_space, out_of_space
 from tokstream.format import METADATA_FILE, DatasetMetadata
-from tokstream.object_store import is_s3
+from tokstream.object_store import S3Dataset, is_s3
 from tokstream.resume import JOURNAL_FILE, PART_DONE_FILE, RESUME_KEY_FILE, SPLIT_STATS_FILE, STATE_FILE
 
 # The files a conversion writes at the top of an output (OUT, OUT.partial or a part's folder) ...
@@ -147,9 +147,11 @@ def check_s3_replaceable(url: str, relatives: Iterable[str], read: Callable[[str
 # --- where an output may go ----------------------------------------------------------------------------
 
 def check_output_location(out: str, inputs: Iterable[str | os.PathLike]) -> None:
-    """Refuse a local --out under a file, or inside, equal to or containing a local input (a folder that
-    holds its own output could never be converted again, and --overwrite would replace the input)."""
+    """Refuse an S3 --out this machine cannot write (before the inputs are opened: S3Dataset.check_writable), a
+    local --out under a file, or inside, equal to or containing a local input (a folder that holds its own output
+    could never be converted again, and --overwrite would replace the input)."""
     if is_s3(out):
+        S3Dataset(out).check_writable()
         return
     target = Path(out).resolve()
     blocker = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
