@@ -307,6 +307,8 @@ def test_an_interruption_at_every_kind_of_boundary_resumes_exactly(tmp_path):
     resumed = relaunch(2, 2, "eval_interval=12", "data.num_workers=2")
     at_step(resumed, 12)  # the last step before the mixture
     assert "phases.2 from step 8: global batch 8 (accumulation 2), block 128" in resumed.text
+    for change in ("eval_interval changed from 0 to 12", "data.num_workers changed from 0 to 2"):
+        assert f"relaunch: {change}\n" in resumed.text  # every accepted change is said
     other_world = relaunch(1, 4)
     other_world.wait_for(lambda text: len(metrics(run_dir)) >= 13)
     other_world.process.send_signal(signal.SIGTERM)
@@ -317,6 +319,7 @@ def test_an_interruption_at_every_kind_of_boundary_resumes_exactly(tmp_path):
     assert 13 <= stopped < SCHEDULE_STEPS, text[-3000:]
     last = Output(launch(2, None, run_dir, *common, "micro_batch_size=1")).finish()
     assert f"resumed from {run_dir}/ckpt-{stopped:08d}.pt" in last
+    assert "relaunch: micro_batch_size changed from 4 to 1\n" in last
 
     interrupted = metrics(run_dir)
     assert [m["step"] for m in interrupted] == [m["step"] for m in reference] == list(range(1, 21))

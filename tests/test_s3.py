@@ -333,15 +333,18 @@ def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_dis
     denied = f"error: cannot download {run_dir}/{resumed_from}: access denied (HTTP 403)"
     assert output.count(denied) == 1, output[-3000:]  # errors are reported once, by rank 0
     gets_before = s3.count("GET", resumed_from)
-    output = training.train(2, plays_on_s3, run_dir, f"data.local={tmp_path / 'third' / 'cache'}",
-                            f"run_local={tmp_path / 'third' / 'run'}", CACHE_LIMIT)
+    (tmp_path / "third").mkdir()  # its TMPDIR: run_local's default is under it
+    output = training.finish(training.launch(2, plays_on_s3, run_dir, f"data.local={tmp_path / 'third' / 'cache'}",
+                                             CACHE_LIMIT, env={"TMPDIR": str(tmp_path / "third")}))
     assert f"resumed from {run_dir}/{resumed_from} at step {periodic}" in output
     gets_by_the_run = s3.count("GET", resumed_from) - gets_before
     final = f"ckpt-{newest_checkpoint():08d}.pt"  # the one the run resumed from is gone (keep_checkpoints)
     gets_before = s3.count("GET", final)
     store.release_copy(store.local_copy(final))  # what one download of a checkpoint of this run takes
     assert gets_by_the_run == s3.count("GET", final) - gets_before > 0
-    assert not any((tmp_path / "third" / "run").glob("download-*"))  # the node's copy went once read
+    (run_local,) = (tmp_path / "third" / "tokstream-runs").iterdir()
+    assert (run_local / "metrics.jsonl").is_file()
+    assert not any(run_local.glob("download-*"))  # the node's copy went once read
     steps = training.metrics(run_dir)
     assert [m["step"] for m in steps] == list(range(1, len(reference) + 1))
     for got, (step, samples, loss, lr) in zip(steps, reference):
