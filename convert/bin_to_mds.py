@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 
 from tokstream.cli import add_output_arguments, output_options, summary  # noqa: E402
 from tokstream.errors import CommandLine, UserError, run_cli  # noqa: E402
-from tokstream.output_guard import check_output_location, conversion_lock  # noqa: E402
+from tokstream.output_guard import check_output_location, check_s3_output, conversion_lock  # noqa: E402
 from tokstream.remote_token_files import expand_url, is_url  # noqa: E402
 from tokstream.token_conversion import Vocabulary, convert_token_files  # noqa: E402
 from tokstream.token_files import FORMATS, LLMC_LLAMA3_MAGIC, open_token_file  # noqa: E402
@@ -81,6 +81,7 @@ def main() -> None:
 
     started = time.monotonic()
     options = output_options(args)
+    check_s3_output(args.out)
     files = {args.split: open_inputs(args.inputs, args.format)}
     if args.val:
         if args.split == "val":

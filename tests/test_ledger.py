@@ -159,6 +159,13 @@ def test_a_run_without_ranks_in_its_metrics_needs_them_given_and_other_data_is_r
     for path in unread.glob("ckpt-*.pt"):
         path.write_bytes(b"not read")
     assert answer(unread, 7) == records[6]["samples"]
+    # Not the newest manifest, but LATEST's: a relaunch that fell back past a damaged checkpoint left it newer
+    ahead = rewritten("ahead", lambda r: r)
+    shutil.copy(ahead / "ckpt-00000010.pt", ahead / "ckpt-00000015.pt")
+    manifest = json.loads((ahead / "ckpt-00000010.manifest.json").read_text())
+    manifest["run"]["config"]["global_batch_size"] = 16
+    (ahead / "ckpt-00000015.manifest.json").write_text(json.dumps({**manifest, "step": 15}))
+    assert answer(ahead, 7) == records[6]["samples"]
     older = rewritten("older", lambda r: r)
     for path in older.glob("ckpt-*.manifest.json"):
         path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "run"}))

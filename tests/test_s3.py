@@ -426,3 +426,26 @@ def test_a_conversion_to_s3_keeps_at_most_4_uploads_in_flight_and_a_few_shards_o
     assert len(shards) > 4 * MAX_UPLOADS_IN_FLIGHT  # enough to fill the pipeline several times over
     assert 2 <= proxy.most_at_once("PUT", "/shard.") <= MAX_UPLOADS_IN_FLIGHT == 4
     assert 2 <= most_on_disk <= MAX_UPLOADS_IN_FLIGHT + 1
+
+
+def test_parts_for_s3_need_no_credentials_and_the_merge_uploads_a_one_pass_conversion(proxy, tmp_path):
+    """Parts write only under --staging (the merge uploads), so machines without AWS credentials can run them."""
+    articles = wikitext_articles()
+    (tmp_path / "corpus").mkdir()
+    for i in range(3):
+        write_jsonl(tmp_path / "corpus" / f"wiki-{i}.jsonl", articles[i::3])
+    args = [tmp_path / "corpus", *CONVERT, "--staging", tmp_path / "staging"]
+    uncredentialed = {name: value for name, value in os.environ.items()
+                      if name not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    uncredentialed.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
+    out = f"s3://{BUCKET}/parts"
+    for part in (1, 0, 2):
+        done = run_script("convert/text_to_mds.py", *args, "--out", out, "--num-parts", "3", "--part", str(part),
+                          env=uncredentialed)
+        assert done.returncode == 0, done.stderr
+    assert keys("parts") == []
+    merged = run_script("convert/text_to_mds.py", *args, "--out", out, "--num-parts", "3", "--merge")
+    assert merged.returncode == 0, merged.stderr
+    local = run_script("convert/text_to_mds.py", *args[:-2], "--out", tmp_path / "local")
+    assert local.returncode == 0, local.stderr
+    assert_store_holds_exactly("parts", tmp_path / "local")

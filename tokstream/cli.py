@@ -11,7 +11,7 @@ from pathlib import Path
 from tokstream.cleaning import Cleaning
 from tokstream.format import DatasetMetadata
 from tokstream.options import ConversionOptions
-from tokstream.output_guard import check_output_location, conversion_lock
+from tokstream.output_guard import check_output_location, check_s3_output, conversion_lock
 from tokstream.text_conversion import convert_text
 from tokstream.tokenizer import load_tokenizer
 
@@ -91,6 +91,8 @@ def run_text_conversion(args: argparse.Namespace, inputs: list[str], source_kwar
     """The body of every text converter's main(): options from the command line, then the core."""
     started = time.monotonic()
     options = text_options(args)
+    if args.part is None:  # a part is written under --staging, for the merge to upload
+        check_s3_output(args.out)
     check_output_location(args.out, inputs)
     # One part of several runs beside the others' machines: it locks only its part (text_parts.py).
     with conversion_lock(args.out, args.staging) if args.part is None else nullcontext():

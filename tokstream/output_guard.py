@@ -147,11 +147,9 @@ def check_s3_replaceable(url: str, relatives: Iterable[str], read: Callable[[str
 # --- where an output may go ----------------------------------------------------------------------------
 
 def check_output_location(out: str, inputs: Iterable[str | os.PathLike]) -> None:
-    """Refuse an S3 --out this machine cannot write (before the inputs are opened: S3Dataset.check_writable), a
-    local --out under a file, or inside, equal to or containing a local input (a folder that holds its own output
-    could never be converted again, and --overwrite would replace the input)."""
+    """Refuse a local --out under a file, or inside, equal to or containing a local input (a folder that
+    holds its own output could never be converted again, and --overwrite would replace the input)."""
     if is_s3(out):
-        S3Dataset(out).check_writable()
         return
     target = Path(out).resolve()
     blocker = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
@@ -164,6 +162,13 @@ def check_output_location(out: str, inputs: Iterable[str | os.PathLike]) -> None
         if target == source or source in target.parents or target in source.parents:
             where = "is" if target == source else "is inside" if source in target.parents else "contains"
             raise UserError(f"--out {out} {where} the input {item}: write the dataset outside its inputs")
+
+
+def check_s3_output(out: str) -> None:
+    """Refuse an S3 --out this machine cannot write (bucket, credentials, write permission) before the inputs
+    are opened, not after an hour of tokenizing; the upload checks again."""
+    if is_s3(out):
+        S3Dataset(out).check_writable()
 
 
 def local_stand_in(out: str | os.PathLike, staging_dir: str | None = None) -> Path:

@@ -56,14 +56,15 @@ def find_latest(store: RunStore, dist: Distributed | None = None) -> tuple[str, 
 
 
 def newest_run_record(store: RunStore) -> tuple[int, dict] | tuple[None, None]:
-    """(step, run record: config, data identities) of the run's newest checkpoint, from its manifest where it
-    carries one (saves since 2026-11-25), else from the checkpoint, verified (find_latest); (None, None) for none."""
-    for step in reversed(Survey.of(store).complete):
-        manifest = read_manifest(store, step)
-        if manifest is not None:
-            if isinstance(manifest.get("run"), dict):
-                return step, manifest["run"]
-            break
+    """(step, run record: config, data identities) of the run's newest checkpoint: from the manifest of the step
+    LATEST names, where it carries one (saves since 2026-11-25); else from the newest checkpoint that passes its
+    checks (find_latest). Not simply the newest manifest: a relaunch that fell back past a damaged checkpoint
+    leaves it, with its manifest, newer than what the run went on from (LATEST names the relaunch's saves).
+    (None, None) for a run with no checkpoint."""
+    step, _ = pointer_step(store)
+    manifest = read_manifest(store, step) if step is not None else None
+    if manifest is not None and isinstance(manifest.get("run"), dict) and step in Survey.of(store).complete:
+        return step, manifest["run"]
     _, saved = find_latest(store)
     return (None, None) if saved is None else (saved["progress"]["step"], saved["run"])
 
