@@ -1,10 +1,14 @@
 """The public reader API (tokstream.reader) as a loop of one's own uses it, in one process: the samples of a
-mixture with their sources, a resume from state_dict() between any two micro-batches, and close()."""
+mixture with their sources, a resume from state_dict() between any two micro-batches, and close(); and in two
+ranks, the state rank 0 saves after the other rank has closed."""
 
+import json
 import multiprocessing
+import subprocess
+import sys
 
 import pytest
-from conftest import split_samples
+from conftest import ROOT, split_samples
 from test_training import tiny_splits
 
 from tokstream.errors import UserError
@@ -58,6 +62,53 @@ def test_a_state_taken_between_micro_batches_resumes_with_the_next_one(mixture, 
     assert [next(resumed)["ids"].tolist() for _ in range(6)] == expected[taken:]
     whole.close()
     resumed.close()
+
+
+SAVING_RANK = """
+import json, os, sys
+rank, store, data = sys.argv[1:]
+os.environ.update(RANK=rank, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", LOCAL_RANK=rank)
+import torch.distributed as dist
+from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(rank), world_size=2)
+plan = BatchPlan(8, 4, 2)
+first = TrainBatches(open_dataset(DataConfig(remote=data)), plan)
+for _ in range(2):
+    next(first)
+state = [first.state_dict()]
+dist.broadcast_object_list(state, 0)
+first.close()
+resumed = TrainBatches(open_dataset(DataConfig(remote=data)), plan)
+for loads in ("1", "0"):  # rank 1 loads first: the node's resume block is then its
+    if rank == loads:
+        resumed.load_state_dict(state[0])
+    dist.barrier()
+for _ in range(2):
+    next(resumed)
+if rank == "1":
+    resumed.close()  # a rank that does not save leaves the loop first
+dist.barrier()
+if rank == "0":
+    print(json.dumps(resumed.state_dict()))
+    resumed.close()
+dist.destroy_process_group()
+"""
+
+
+def test_the_state_rank_0_saves_after_another_rank_closed_is_the_whole_position(mixture, tmp_path):
+    """A DDP loop where rank 0 alone saves: the other rank may have closed (or exited) first. Stock streaming
+    re-reads the position from the node's shared memory, which that rank had created and took with it: rank 0
+    then saved only the samples taken since the resume, and the next resume read them again."""
+    root = mixture.streams[0].remote
+    ranks = [subprocess.Popen([sys.executable, "-c", SAVING_RANK, str(rank), str(tmp_path / "store"), root], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    uninterrupted = TrainBatches(open_dataset(DataConfig(remote=root)), BatchPlan(8, 8, 1))
+    for _ in range(4):
+        next(uninterrupted)
+    assert json.loads(outputs[0][0]) == uninterrupted.state_dict()
+    uninterrupted.close()
 
 
 def test_close_ends_the_dataloader_workers(mixture):

@@ -50,7 +50,7 @@ def largest_token(path: object, begin: int, end: int, dtype: np.dtype) -> int:
     return largest
 
 
-class TokenDataset(internals.WindowedDownloadAhead):
+class TokenDataset(internals.ResumeStateKept, internals.WindowedDownloadAhead):
     """Stock StreamingDataset that yields batches of this format's fixed-size token samples.
 
     Stock `get_item` opens, seeks and reads the shard file and parses the column encodings for

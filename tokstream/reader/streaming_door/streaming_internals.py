@@ -33,6 +33,8 @@ streaming does not promise to keep:
   `_pack_locals`);
 - the SharedMemory blocks a dataset holds, which stock keeps until exit through atexit: released when
   the dataset closes or goes (`shared_memory_blocks`, `release_shared_memory`);
+- `StreamingDataset._resume`, `load_state_dict`'s `_resume_shm` and the `RESUME` block's name: the
+  resume state is kept in the process that loaded it too (`ResumeStateKept`);
 - `generate_work` with `StreamingDataset.batching_method` and `_set_shuffle_block_size`: the epoch's
   partition for any world, computed in one process (`rank_orders`, for train/ledger.py).
 
@@ -60,7 +62,8 @@ import streaming.base.dataset as streaming_dataset_module
 import streaming.base.shared.barrier as streaming_barrier_module
 import streaming.base.shuffle as streaming_shuffle_module
 from streaming import StreamingDataset
-from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, EPOCH_DATA, EPOCH_SHAPE, LOCALS, SHM_TO_CLEAN, TICK
+from streaming.base.constant import (BARRIER_FILELOCK, CACHE_FILELOCK, EPOCH_DATA, EPOCH_SHAPE, LOCALS, RESUME, SHM_TO_CLEAN,
+                                     TICK)
 from streaming.base.batching.random import generate_work_random_batching  # noqa: F401  (tests)
 from streaming.base.dataset import _ShardState
 from streaming.base.partition import get_partitions  # noqa: F401  (epoch_order.py)
@@ -309,6 +312,37 @@ class PromptFileLock(FileLock):
 
 # Streaming creates these locks lazily (a dataset must stay picklable until iterated), the cache's
 # anew at every prepare_shard (it checks hasattr(self, "cache_filelock"), a name it never sets).
+
+
+class ResumeStateKept(StreamingDataset):
+    """StreamingDataset whose resume state stays readable in the process that loaded it.
+
+    Stock keeps a loaded state only in the node's `RESUME` shared-memory block, which whichever rank of
+    the node loaded first created and unlinks when it closes or exits, and `state_dict` reads that block
+    again to add the samples taken since. So a rank that ended first took the position with it: in a DDP
+    loop where rank 0 alone saves, another rank that had left the loop made rank 0 save only the samples
+    taken since the resume, and the next resume read those steps' samples again. Here, where the block is
+    gone, this process writes it again from its own copy (DataLoader workers inherit the copy when forked).
+    """
+
+    _kept_resume_state: dict | None = None
+
+    def load_state_dict(self, obj: dict) -> None:
+        super().load_state_dict(obj)
+        self._kept_resume_state = obj
+
+    def _resume(self, world: World, epoch: int) -> tuple[int, int]:
+        if self._kept_resume_state is not None and not self._resume_block_exists():
+            release_shared_memory([self._resume_shm], os.getpid())  # closes this handle on the unlinked block
+            super().load_state_dict(self._kept_resume_state)  # a block of this process's, released with the rest
+        return super()._resume(world, epoch)
+
+    def _resume_block_exists(self) -> bool:
+        try:
+            SharedMemory(name=_get_path(self._shm_prefix_int, RESUME), create=False, auto_cleanup=False).cleanup()
+        except FileNotFoundError:
+            return False
+        return True
 
 
 class WindowedDownloadAhead(StreamingDataset):
