@@ -449,3 +449,14 @@ def test_parts_for_s3_need_no_credentials_and_the_merge_uploads_a_one_pass_conve
     local = run_script("convert/text_to_mds.py", *args[:-2], "--out", tmp_path / "local")
     assert local.returncode == 0, local.stderr
     assert_store_holds_exactly("parts", tmp_path / "local")
+
+
+def test_plotting_a_run_without_metrics_is_one_line_not_a_blank_plot(proxy, tmp_path):
+    """A mistyped S3 run reads as no metrics (there is no file to miss), as does a run that has logged no step."""
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "metrics.jsonl").write_text("")
+    for run_dir in (f"s3://{BUCKET}/no-such-run", str(tmp_path / "fresh")):
+        done = run_script("train/plot.py", run_dir, "--out", tmp_path / "loss.png")
+        assert (done.returncode, done.stderr) == (2, f"error: {run_dir} holds no metrics: is it a run directory, "
+                                                     "and has its run logged a step?\n")
+        assert not (tmp_path / "loss.png").exists()

@@ -17,7 +17,7 @@ from tokstream.errors import CommandLine, UserError, run_cli  # noqa: E402
 
 
 def step_range(text: str) -> range:
-    """FIRST:LAST (both counted, FIRST <= LAST)."""
+    """FIRST:LAST (both counted, FIRST <= LAST), or one step alone."""
     first, colon, last = text.partition(":")
     try:
         steps = range(int(first), int(last if colon else first) + 1)
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("run_dir", help="the run's run_dir: a path or s3://bucket/prefix")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--step", type=int, help="a step, counted from 1 as metrics.jsonl counts")
-    which.add_argument("--steps", metavar="FIRST:LAST", help="steps FIRST to LAST")
+    which.add_argument("--steps", metavar="FIRST:LAST", help="steps FIRST to LAST (both counted)")
     parser.add_argument("--decode", action="store_true", help="also each sample's text")
     parser.add_argument("--json", action="store_true", help="one JSON object per step")
     parser.add_argument("--ranks", type=int, help="ranks to deal the step to (default: what ran it)")

@@ -27,7 +27,10 @@ def read_metrics(run_dir: str) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not is_s3(run_dir) and not path.is_file():
         raise UserError(f"{path} does not exist: is {run_dir} a run directory?")
-    return read_records(run_dir)
+    records = read_records(run_dir)
+    if not records:  # an S3 prefix without metrics reads as empty, as does a run that has not logged a step
+        raise UserError(f"{run_dir} holds no metrics: is it a run directory, and has its run logged a step?")
+    return records
 
 
 def plot_runs(run_dirs: list[str], out: str) -> list[str]:

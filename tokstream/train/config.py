@@ -1,6 +1,7 @@
 """Training configuration: typed dataclasses loaded from YAML, with dotted key=value overrides."""
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,7 +138,25 @@ def _apply(target: object, key: str, value: object, where: str, prefix: str = ""
     if expected is not None and value is not None and (not isinstance(value, expected) or
                                                        (expected is int and isinstance(value, bool))):
         raise UserError(f"{where}: {full} must be {expected.__name__}, got {value!r}")
+    _check_plain(value, f"{where}: {full}")
     setattr(target, head, value)
+
+
+def _check_plain(value: object, what: str) -> None:
+    """Settings are recorded as JSON (checkpoint manifests, metrics): text, finite numbers, true/false and lists
+    or sections of them. YAML also reads dates (2024-01-01) and .inf, which would fail the first save."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{what} must be a finite number, got {value!r}")
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _check_plain(item, what)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(key, what)
+            _check_plain(item, what)
+    elif value is not None and not isinstance(value, (str, int, float)):
+        raise UserError(f"{what} must be text, a number or true/false, got {value!r} (YAML reads it as a "
+                        f"{type(value).__name__}: quote it)")
 
 
 def _whole_number(value: float | str) -> int | float | str:
