@@ -67,7 +67,7 @@ def test_every_sample_is_the_converted_tokens_and_each_comes_once_an_epoch_over_
     epochs = 2
     shuffled = grain.MapDataset.source(source).shuffle(seed=7).repeat(epochs)
     read = {}
-    for process in (0, 1):  # the README's recipe, per process: its slice, in batches
+    for process in (0, 1):  # docs/grain.md's recipe, per process: its slice, in batches
         batches = list(shuffled[process::2].batch(4))
         read[process] = index_of(row for batch in batches for row in batch)
         assert all(batch.shape == (4, BLOCK + 1) for batch in batches[:-1]) and batches[0].dtype == np.uint16
