@@ -153,15 +153,16 @@ def test_a_run_without_ranks_in_its_metrics_needs_them_given_and_other_data_is_r
     assert refusal(lambda: answer(run, 3, "global_batch_size=16")).startswith(
         "global_batch_size: the ledger reads the run's own settings")
     assert "is not the data the run read" in refusal(lambda: answer(run, 3, f"data.remote={datasets['b']}"))
-    # The run's record comes from the newest manifest, so the checkpoint (gigabytes, from S3) is not read; where a
+    # The run's record comes from LATEST's manifest, so the checkpoint (gigabytes, from S3) is not read; where a
     # manifest has no record (saves before 2026-11-25), from the checkpoint itself, verified.
     unread = rewritten("unread", lambda r: r)
     for path in unread.glob("ckpt-*.pt"):
         path.write_bytes(b"not read")
     assert answer(unread, 7) == records[6]["samples"]
-    # Not the newest manifest, but LATEST's: a relaunch that fell back past a damaged checkpoint left it newer
+    # Not the newest manifest, but the checkpoint a relaunch resumes from: one that fell back past a damaged
+    # checkpoint left it newer than LATEST, with a manifest of other settings
     ahead = rewritten("ahead", lambda r: r)
-    shutil.copy(ahead / "ckpt-00000010.pt", ahead / "ckpt-00000015.pt")
+    (ahead / "ckpt-00000015.pt").write_bytes(b"damaged")
     manifest = json.loads((ahead / "ckpt-00000010.manifest.json").read_text())
     manifest["run"]["config"]["global_batch_size"] = 16
     (ahead / "ckpt-00000015.manifest.json").write_text(json.dumps({**manifest, "step": 15}))

@@ -9,8 +9,10 @@ What makes one complete and what may ever be deleted: checkpoint_files.py; where
 run_store.py.
 """
 
+import contextlib
 import pickle
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -56,16 +58,19 @@ def find_latest(store: RunStore, dist: Distributed | None = None) -> tuple[str, 
 
 
 def newest_run_record(store: RunStore) -> tuple[int, dict] | tuple[None, None]:
-    """(step, run record: config, data identities) of the run's newest checkpoint: from the manifest of the step
-    LATEST names, where it carries one (saves since 2026-11-25); else from the newest checkpoint that passes its
-    checks (find_latest). Not simply the newest manifest: a relaunch that fell back past a damaged checkpoint
-    leaves it, with its manifest, newer than what the run went on from (LATEST names the relaunch's saves).
-    (None, None) for a run with no checkpoint."""
+    """(step, run record: config, data identities) of the checkpoint a relaunch would resume from (find_latest:
+    the newest that passes its checks). Where LATEST names the newest complete checkpoint, from its manifest
+    (a few kilobytes; manifests carry the record since 2026-11-25); else, after a relaunch fell back past a
+    damaged checkpoint or a kill came between a save and LATEST, by find_latest's own checks (the checkpoint
+    is read). (None, None) for a run with no checkpoint."""
+    complete = Survey.of(store).complete
     step, _ = pointer_step(store)
-    manifest = read_manifest(store, step) if step is not None else None
-    if manifest is not None and isinstance(manifest.get("run"), dict) and step in Survey.of(store).complete:
-        return step, manifest["run"]
-    _, saved = find_latest(store)
+    if complete and step == complete[-1]:
+        manifest = read_manifest(store, step)
+        if manifest is not None and isinstance(manifest.get("run"), dict):
+            return step, manifest["run"]
+    with contextlib.redirect_stdout(sys.stderr):  # its warnings: a reader's stdout is its answer (ledger --json)
+        _, saved = find_latest(store)
     return (None, None) if saved is None else (saved["progress"]["step"], saved["run"])
 
 

@@ -1,7 +1,6 @@
 """Training configuration: typed dataclasses loaded from YAML, with dotted key=value overrides."""
 
 import dataclasses
-import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,10 +142,8 @@ def _apply(target: object, key: str, value: object, where: str, prefix: str = ""
 
 
 def _check_plain(value: object, what: str) -> None:
-    """Settings are recorded as JSON (checkpoint manifests, metrics): text, finite numbers, true/false and lists
-    or sections of them. YAML also reads dates (2024-01-01) and .inf, which would fail the first save."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise UserError(f"{what} must be a finite number, got {value!r}")
+    """Settings are recorded as JSON (checkpoint manifests, metrics): text, numbers, true/false and lists or
+    sections of them. YAML also reads dates (2024-01-01), which would fail the first save."""
     if isinstance(value, (list, tuple)):
         for item in value:
             _check_plain(item, what)

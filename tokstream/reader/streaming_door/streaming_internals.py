@@ -33,8 +33,8 @@ streaming does not promise to keep:
   `_pack_locals`);
 - the SharedMemory blocks a dataset holds, which stock keeps until exit through atexit: released when
   the dataset closes or goes (`shared_memory_blocks`, `release_shared_memory`);
-- `StreamingDataset._resume`, `load_state_dict`'s `_resume_shm` and the `RESUME` block's name: the
-  resume state is kept in the process that loaded it too (`ResumeStateKept`);
+- `StreamingDataset._resume` and what it sets from a resume state: answered from the loading process's
+  own copy (`ResumeStateKept`);
 - `generate_work` with `StreamingDataset.batching_method` and `_set_shuffle_block_size`: the epoch's
   partition for any world, computed in one process (`rank_orders`, for train/ledger.py).
 
@@ -44,6 +44,7 @@ training tests (tests/test_fast_reader.py, tests/test_training.py), then add the
 
 import atexit
 import importlib.metadata
+import json
 import os
 import shutil
 import threading
@@ -62,8 +63,7 @@ import streaming.base.dataset as streaming_dataset_module
 import streaming.base.shared.barrier as streaming_barrier_module
 import streaming.base.shuffle as streaming_shuffle_module
 from streaming import StreamingDataset
-from streaming.base.constant import (BARRIER_FILELOCK, CACHE_FILELOCK, EPOCH_DATA, EPOCH_SHAPE, LOCALS, RESUME, SHM_TO_CLEAN,
-                                     TICK)
+from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, EPOCH_DATA, EPOCH_SHAPE, LOCALS, SHM_TO_CLEAN, TICK
 from streaming.base.batching.random import generate_work_random_batching  # noqa: F401  (tests)
 from streaming.base.dataset import _ShardState
 from streaming.base.partition import get_partitions  # noqa: F401  (epoch_order.py)
@@ -315,34 +315,33 @@ class PromptFileLock(FileLock):
 
 
 class ResumeStateKept(StreamingDataset):
-    """StreamingDataset whose resume state stays readable in the process that loaded it.
+    """StreamingDataset that answers its resume state from its own copy in the process that loaded it.
 
     Stock keeps a loaded state only in the node's `RESUME` shared-memory block, which whichever rank of
     the node loaded first created and unlinks when it closes or exits, and `state_dict` reads that block
     again to add the samples taken since. So a rank that ended first took the position with it: in a DDP
     loop where rank 0 alone saves, another rank that had left the loop made rank 0 save only the samples
-    taken since the resume, and the next resume read those steps' samples again. Here, where the block is
-    gone, this process writes it again from its own copy (DataLoader workers inherit the copy when forked).
+    taken since the resume, and the next resume read those steps' samples again. In that process the
+    block holds what it loaded (every rank of a node loads the same state, before reading), so its copy
+    is the same answer without the block. DataLoader workers, other processes, read the block as stock.
     """
 
-    _kept_resume_state: dict | None = None
+    _kept_resume_state: tuple[dict, int] | None = None  # (the state as the block holds it, the loading pid)
 
     def load_state_dict(self, obj: dict) -> None:
         super().load_state_dict(obj)
-        self._kept_resume_state = obj
+        self._kept_resume_state = json.loads(json.dumps(obj, sort_keys=True)), os.getpid()
 
     def _resume(self, world: World, epoch: int) -> tuple[int, int]:
-        if self._kept_resume_state is not None and not self._resume_block_exists():
-            release_shared_memory([self._resume_shm], os.getpid())  # closes this handle on the unlinked block
-            super().load_state_dict(self._kept_resume_state)  # a block of this process's, released with the rest
-        return super()._resume(world, epoch)
-
-    def _resume_block_exists(self) -> bool:
-        try:
-            SharedMemory(name=_get_path(self._shm_prefix_int, RESUME), create=False, auto_cleanup=False).cleanup()
-        except FileNotFoundError:
-            return False
-        return True
+        kept, pid = self._kept_resume_state or (None, None)
+        if kept is None or pid != os.getpid() or kept["epoch"] < epoch:  # none, not ours, or stale: stock's
+            return super()._resume(world, epoch)
+        # What stock's _resume does with the state it reads from the block.
+        self.num_canonical_nodes = kept["num_canonical_nodes"]
+        self.shuffle_seed = kept["shuffle_seed"]
+        self.initial_physical_nodes = kept.get("initial_physical_nodes")
+        self._set_shuffle_block_size(world)
+        return kept["epoch"], kept["sample_in_epoch"]
 
 
 class WindowedDownloadAhead(StreamingDataset):
