@@ -66,7 +66,7 @@ def test_a_state_taken_between_micro_batches_resumes_with_the_next_one(mixture, 
 
 SAVING_RANK = """
 import json, os, sys
-rank, store, data = sys.argv[1:]
+rank, store, data, after = sys.argv[1:]
 os.environ.update(RANK=rank, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", LOCAL_RANK=rank)
 import torch.distributed as dist
 from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
@@ -83,7 +83,7 @@ for loads in ("1", "0"):  # rank 1 loads first: the node's resume block is then 
     if rank == loads:
         resumed.load_state_dict(state[0])
     dist.barrier()
-for _ in range(2):
+for _ in range(int(after)):
     next(resumed)
 if rank == "1":
     resumed.close()  # a rank that does not save leaves the loop first
@@ -95,17 +95,19 @@ dist.destroy_process_group()
 """
 
 
-def test_the_state_rank_0_saves_after_another_rank_closed_is_the_whole_position(mixture, tmp_path):
+@pytest.mark.parametrize("after", [2, 5])  # steps after the resume: within its epoch, and into the next
+def test_the_state_rank_0_saves_after_another_rank_closed_is_the_whole_position(mixture, tmp_path, after):
     """A DDP loop where rank 0 alone saves: the other rank may have closed (or exited) first. Stock streaming
     re-reads the position from the node's shared memory, which that rank had created and took with it: rank 0
     then saved only the samples taken since the resume, and the next resume read them again."""
-    root = mixture.streams[0].remote
-    ranks = [subprocess.Popen([sys.executable, "-c", SAVING_RANK, str(rank), str(tmp_path / "store"), root], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    root = mixture.streams[0].remote  # 40 samples: 5 steps of 8 an epoch, resumed after 2
+    ranks = [subprocess.Popen([sys.executable, "-c", SAVING_RANK, str(rank), str(tmp_path / "store"), root,
+                               str(after)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
     outputs = [rank.communicate(timeout=300) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     uninterrupted = TrainBatches(open_dataset(DataConfig(remote=root)), BatchPlan(8, 8, 1))
-    for _ in range(4):
+    for _ in range(2 + after):
         next(uninterrupted)
     assert json.loads(outputs[0][0]) == uninterrupted.state_dict()
     uninterrupted.close()
