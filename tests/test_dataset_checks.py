@@ -152,13 +152,46 @@ def test_a_setting_json_cannot_record_is_refused_at_load(override, message):
 def test_the_vocabulary_check_reads_the_samples_exact_in_pieces_of_any_size(tmp_path, monkeypatch, chunk):
     """largest_token (the check's read, kept out of the rank's mapping) against numpy's max of the samples,
     with the samples at an odd offset of the file and the largest id in the first, a middle and the last token."""
-    from tokstream.reader import token_dataset
+    from tokstream import split_check
 
-    monkeypatch.setattr(token_dataset, "CHECK_CHUNK", chunk)
+    monkeypatch.setattr(split_check, "CHECK_CHUNK", chunk)
     rng = np.random.default_rng(chunk)
     for at in (0, 5_000, 9_999):
         tokens = rng.integers(0, 50_000, 10_000).astype("<u2")
         tokens[at] = 60_123
         path = tmp_path / f"shard-{at}.mds"
         path.write_bytes(b"\x01\x02\x03" + tokens.tobytes() + b"\xff\xff")  # a 3-byte header, 2 bytes after
-        assert token_dataset.largest_token(path, 3, 3 + tokens.nbytes, np.uint16) == 60_123
+        assert split_check.largest_token(path, 3, 3 + tokens.nbytes, np.uint16) == 60_123
+
+
+@pytest.mark.parametrize("override,message", [
+    ("checkpoint_interval=0", "checkpoint_interval must be a whole number at least 1, got 0"),
+    ("log_interval=0", "log_interval must be a whole number at least 1, got 0"),
+    ("eval_batches=0", "eval_batches must be a whole number at least 1, got 0"),
+    ("max_steps=-3", "max_steps must be a whole number at least 1, got -3"),
+    ("eval_interval=-1", "eval_interval must be a whole number at least 0, got -1 (0 turns evaluation off)"),
+    ("keep_checkpoints=-1", "keep_checkpoints must be a whole number at least 0, got -1 (0 keeps every checkpoint)"),
+    ("lease_interval_s=0", "lease_interval_s must be above 0, got 0.0"),
+    ("optim.beta2=1", "optim.beta2 must be at least 0 and below 1, got 1.0"),
+    ("model.dropout=.nan", "model.dropout must be at least 0 and below 1, got nan"),
+    ("data.num_workers=-2", "data.num_workers must be a whole number at least 0, got -2"),
+    ("model.n_head=3", "model.n_embd 64 is not a multiple of model.n_head 3: each head takes an equal share of the "
+                       "embedding"),
+])
+def test_a_numeric_setting_out_of_its_range_is_refused_when_the_config_is_made(override, message):
+    """Once, at load, naming the setting: a zero interval crashed with ZeroDivisionError after step 1 with nothing
+    saved, eval_batches=0 logged val_loss 0.0, max_steps=-3 trained "0 tokens in -3 steps" and exited 0."""
+    from tokstream.errors import UserError
+    from tokstream.train.config import load_config
+
+    with pytest.raises(UserError) as refused:
+        load_config("configs/tiny.yaml", [override])
+    assert str(refused.value) == message
+    assert load_config("configs/tiny.yaml", ["eval_interval=0", "keep_checkpoints=0"]).eval_interval == 0  # the edges
+
+
+def test_a_zero_interval_is_refused_by_the_trainer_in_one_line_before_anything_runs(tmp_path):
+    result = main("configs/tiny.yaml", "checkpoint_interval=0", f"run_dir={tmp_path / 'run'}")
+    assert (result.returncode, result.stderr) == (2, "error: checkpoint_interval must be a whole number at least 1, "
+                                                     "got 0\n")
+    assert not (tmp_path / "run").exists()

@@ -220,3 +220,41 @@ def test_a_split_of_more_shards_than_it_keeps_mapped_reads_through_with_few_file
     order = np.random.default_rng(0).permutation(SAMPLES).tolist()
     assert [index_of([source[k]])[0] for k in order] == order
     assert open_files() - before <= 2
+
+
+def test_a_shard_damaged_in_place_or_truncated_while_read_is_refused_not_read_as_other_tokens(converted, tmp_path):
+    """As the training reader refuses it: an id equal to the vocabulary's size (50257 for GPT-2: past the embedding)
+    written over a shard's last token, the size unchanged, is refused when the shard is read, and the last id of the
+    vocabulary is read as it is; a shard cut short after it was mapped is refused, not read as zeros (or a SIGBUS)."""
+    from tokstream.grain_source import TokenSampleSource
+
+    def with_last_token(name: str, token: int) -> Path:
+        copy = tmp_path / name
+        shutil.copytree(converted, copy)
+        shard = sorted((copy / "train").glob("shard.*.mds"))[1]
+        data = bytearray(shard.read_bytes())
+        data[-2:] = np.array([token], dtype="<u2").tobytes()  # the shard's last sample's last token
+        shard.write_bytes(bytes(data))
+        return copy
+
+    last_of_shard = TokenSampleSource(converted)._starts[2] - 1
+    assert TokenSampleSource(with_last_token("last-id", 50256))[last_of_shard][-1] == 50256
+    source = TokenSampleSource(with_last_token("past-it", 50257))
+    assert index_of([source[0]]) == [0]  # the first shard still reads
+    with pytest.raises(UserError) as refused:
+        source[last_of_shard]
+    shard = sorted((tmp_path / "past-it/train").glob("shard.*.mds"))[1]
+    assert str(refused.value) == (f"shard {shard} holds token id 50257, outside the dataset's vocab_size 50257: the "
+                                  f"dataset is damaged; python convert/verify.py {tmp_path / 'past-it'} checks every "
+                                  "shard, reconverting repairs it")
+
+    copy = tmp_path / "truncated"
+    shutil.copytree(converted, copy)
+    source = TokenSampleSource(copy)
+    assert index_of([source[last_of_shard]]) == [last_of_shard]  # mapped
+    shard = sorted((copy / "train").glob("shard.*.mds"))[1]
+    size = shard.stat().st_size
+    os.truncate(shard, size - 2 * (BLOCK + 1))
+    with pytest.raises(UserError, match=f"shard {shard} is {size - 2 * (BLOCK + 1)} bytes since it was opened, not the "
+                                        f"{size} its samples need"):
+        source[last_of_shard]

@@ -203,3 +203,36 @@ def test_a_run_without_ranks_in_its_metrics_needs_them_given_and_other_data_is_r
         "error: --tokenizer and --ranks-file say how to decode: they come with --decode")
     refused = ledger(run, "--steps", "5:3")
     assert refused.returncode == 2 and refused.stderr == "error: --steps 5:3: FIRST is after LAST\n"
+
+
+def test_a_damaged_metrics_line_or_latest_blocks_neither_the_relaunch_nor_the_ledger_nor_the_plot(run, datasets,
+                                                                                                   tmp_path):
+    """A line cut by a kill and then appended to, a line that is a list, a line without a step, and a LATEST whose step
+    is JSON's 1e999 (infinity): each tool says which lines it skipped, in one warning, and goes on; the relaunch keeps
+    the damaged lines as they are (nothing lost) and resumes from the newest checkpoint."""
+    import shutil
+
+    from tokstream.train.metrics import read_records
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    lines = (copy / "metrics.jsonl").read_text().splitlines(keepends=True)
+    cut_then_appended = lines[3][:20] + json.dumps({"step": 99, "loss": 1.0}) + "\n"
+    damaged = lines[:3] + [cut_then_appended, "[1, 2]\n", json.dumps({"loss": 1.0}) + "\n"] + lines[3:]
+    (copy / "metrics.jsonl").write_text("".join(damaged))  # lines 4, 5 and 6
+    (copy / "LATEST").write_text('{"checkpoint": "ckpt-00000010.pt", "step": 1e999}')
+    warning = ("warning: {}/metrics.jsonl lines 4, 5, 6 are not a step's record (cut by a kill, or edited): skipped; "
+               "delete or repair them to silence this")
+
+    answered = ledger(copy, "--steps", "1:10", "--json")
+    assert warning.format(copy) in answered.stderr
+    assert [line["samples"] for line in json_lines(answered)] == [r["samples"] for r in read_records(run)]
+    plotted = subprocess.run([sys.executable, str(ROOT / "train/plot.py"), str(copy), "--out", str(tmp_path / "loss.png")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert plotted.returncode == 0 and warning.format(copy) in plotted.stderr, plotted.stderr
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+    train(copy, datasets["a"], 12)
+    kept = (copy / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert kept[:13] == damaged and [json.loads(line)["step"] for line in kept[13:]] == [11, 12]
+    assert [r["samples"] for r in read_records(copy)][:10] == [r["samples"] for r in read_records(run)]

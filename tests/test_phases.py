@@ -505,3 +505,79 @@ def test_evaluation_reads_the_current_phases_val_split_with_the_models_attention
     assert val_loss[8] == pytest.approx(val_loss_of_checkpoint(run_dir, 8, wiki, "document"), rel=1e-5)
     assert val_loss[8] != pytest.approx(val_loss_of_checkpoint(run_dir, 8, dataset, "document"), rel=1e-4)
     assert val_loss[8] != pytest.approx(val_loss_of_checkpoint(run_dir, 8, wiki, "causal"), rel=1e-4)
+
+
+def bin_dataset(root: Path, *options: str) -> str:
+    """A dataset converted by convert/bin_to_mds.py from 30 samples of block 128 of ids below 500."""
+    import numpy as np
+
+    root.mkdir()
+    (np.arange(30 * 128 + 1) % 500).astype("<u2").tofile(root / "ids.bin")
+    done = subprocess.run([sys.executable, "convert/bin_to_mds.py", str(root / "ids.bin"), "--val", str(root / "ids.bin"),
+                           "--block-size", "128", "--out", str(root / "ds"), "--no-progress", *options],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return str(root / "ds")
+
+
+def test_a_phase_whose_tokens_mean_other_things_or_whose_data_is_too_small_is_refused_naming_it(data, tmp_path):
+    """Every phase feeds one model: another vocabulary or separator is refused as a mixture's source would be."""
+    other_vocabulary = bin_dataset(tmp_path / "vocab-512", "--vocab-size", "512", "--separator-id", "0",
+                                   "--separator-position", "before")
+    assert refusal(lambda: Recipe.open(phased(data, f"phases.2.data.remote={other_vocabulary}"), 1)) == (
+        f"phases.2's data ({other_vocabulary}) has tokenizer='vocab-512', phases.0's 'gpt2': every phase feeds one model, "
+        "so its data must share the tokenizer, vocabulary and separator (and its position); reconvert it")
+    begin_of_text = bin_dataset(tmp_path / "before", "--separator", "before:<|endoftext|>")
+    assert refusal(lambda: Recipe.open(phased(data, f"phases.2.data.remote={begin_of_text}"), 1)) == (
+        f"phases.2's data ({begin_of_text}) has separator_position='before', phases.0's 'after': every phase feeds "
+        "one model, so its data must share the tokenizer, vocabulary and separator (and its position); reconvert it")
+    Recipe.open(phased(data, f"phases.2.data.remote={bin_dataset(tmp_path / 'same', '--separator', 'after:<|endoftext|>')}"), 1)
+    too_small = Recipe.open(phased(data, "phases.2.global_batch_size=32", "phases.3.global_batch_size=32",
+                                   "phases.4.global_batch_size=32", "micro_batch_size=4"), 1)
+    assert refusal(too_small.describe_epochs) == (
+        f"phases.2's data ({data['b']}): the train split has 24 samples, fewer than one step's global_batch_size 32: "
+        "convert more data or lower global_batch_size")
+    moved = phased(data, "phases.2.start_step=12", "phases.3.start_step=13")
+    assert refusal(lambda: check_relaunch(phased(data).to_dict(), moved, step=12)).startswith(
+        "phases.2 started at step 10, but this launch moves its start_step to 12, after the checkpoint's step 12; ")
+
+
+def test_a_later_phases_data_replaced_mid_run_stops_the_run_at_its_boundary_and_the_relaunch_reads_it(tmp_path):
+    """The README lets a phase that has not started be edited, so its data may be converted again while the run
+    trains an earlier phase. The run opened it at start-up; at the boundary it is opened again, found changed, and
+    the run saves a checkpoint there and stops in one line (status 2) instead of reading the new data with the old
+    one's epoch. The same command then goes on: the new data is opened, recorded and read (every step as the
+    ledger says), where before the fix the relaunch was refused for good."""
+    from tokstream.train.ledger import Ledger
+
+    for name in ("a", "b", "b-again"):
+        (tmp_path / name).mkdir()
+    a = tiny_splits(tmp_path / "a", 40, 300, seed=1)  # a val split whose evaluation at step 2 takes seconds
+    b = tiny_splits(tmp_path / "b", 24, 8, seed=2, block_size=128)
+    replacement = tiny_splits(tmp_path / "b-again", 32, 8, seed=3, block_size=128)
+    run_dir = tmp_path / "run"
+    settings = ["max_steps=10", "global_batch_size=4", "micro_batch_size=2", "model.block_size=128",
+                "eval_interval=2", "eval_batches=100000", "checkpoint_interval=100",
+                f"phases=[{{start_step: 0, data: {{remote: '{a}'}}}}, {{start_step: 4, data: {{remote: '{b}'}}}}]"]
+    first = Output(launch(1, None, run_dir, *settings))
+    first.wait_for(lambda text: len(metrics(run_dir)) >= 1)  # started: every phase's data opened
+    os.rename(b, tmp_path / "b" / "old")
+    os.rename(replacement, b)  # as a conversion with --overwrite puts its output in place
+    text = first.finish()
+    assert first.process.returncode == 1 and "exitcode  : 2" in text, text[-3000:]  # torchrun's word for a rank's 2
+    assert latest_step(LocalRunStore(str(run_dir))) == 4
+    identity = open_dataset(DataConfig(remote=str(b))).identity
+    assert f"phases.1's data ({b}) changed since this launch opened it (identity " in text
+    assert (f", now {identity}); saved a checkpoint at step 4, before phases.1 starts: relaunch the same command to "
+            "train phases.1 on the data as it is now\n") in text
+
+    Output(launch(1, None, run_dir, *settings)).finish()
+    traced = metrics(run_dir)
+    assert [m["step"] for m in traced] == list(range(1, 11))
+    new_stream = stream(DataConfig(remote=str(b)), 4, 24)
+    assert [m["samples"][0] for m in traced[4:]] == [new_stream[at:at + 4] for at in range(0, 24, 4)]
+    ledger = Ledger.of_run(str(run_dir))
+    try:
+        assert [ledger.step(step).samples.tolist() for step in range(1, 11)] == [m["samples"] for m in traced]
+    finally:
+        ledger.close()

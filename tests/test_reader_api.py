@@ -246,3 +246,58 @@ def test_a_closed_reader_gives_back_its_shared_memory_and_its_s3_data_opens_agai
         else:
             assert mine and not mine & blocks(), mine & blocks()  # this reader's blocks are gone from /dev/shm
     assert max(counts[1:]) <= counts[0]  # no descriptor kept per reader (stock kept 12 each)
+
+
+def test_a_state_of_another_order_or_not_a_state_at_all_is_refused_in_one_line(mixture, tmp_path):
+    """What decides the order travels with the state (weights, shuffle seed and algorithm, canonical nodes): a state
+    of other weights or another seed is refused, not silently read in another order (stock streaming adopts the
+    saved seed); a dict that is not a state (a trainer checkpoint's whole `loader`, a position off a step) is
+    refused saying what a state is, not a KeyError at the first batch."""
+    import dataclasses
+
+    def weighted(web: float, books: float, **settings) -> DataConfig:
+        streams = [dataclasses.replace(mixture.streams[0], proportion=web),
+                   dataclasses.replace(mixture.streams[1], proportion=books)]
+        return dataclasses.replace(mixture, streams=streams, **settings)
+
+    def taken(config: DataConfig, micro_batches: int = 2) -> dict:
+        batches = TrainBatches(open_dataset(config), BatchPlan(8, 4, 1))
+        for _ in range(micro_batches):
+            next(batches)
+        state = batches.state_dict()
+        batches.close()
+        return state
+
+    state = taken(weighted(0.3, 0.7))
+    assert refusal(lambda: TrainBatches(open_dataset(weighted(0.9, 0.1)), BatchPlan(8, 4, 1)).load_state_dict(state)) == (
+        "the state is of another mixture weights ([['proportion', 0.3], ['proportion', 0.7]], here "
+        "[['proportion', 0.9], ['proportion', 0.1]]): it cannot resume these batches")
+    seeded = taken(dataclasses.replace(mixture, shuffle_seed=1))
+    assert refusal(lambda: TrainBatches(open_dataset(dataclasses.replace(mixture, shuffle_seed=2)),
+                                        BatchPlan(8, 4, 1)).load_state_dict(seeded)) == (
+        "the state is of another data.shuffle_seed (1, here 2): it cannot resume these batches")
+    algorithm = dataclasses.replace(mixture, shuffle_algo="py1s")
+    assert refusal(lambda: TrainBatches(open_dataset(algorithm), BatchPlan(8, 4, 1)).load_state_dict(
+        taken(mixture))).startswith("the state is of another data.shuffle_algo (py1e, here py1s)")
+    # An older state without "format" still loads, its seed checked through streaming's own position.
+    older = {key: seeded[key] for key in ("dataset_identity", "global_batch_size", "position")}
+    assert refusal(lambda: TrainBatches(open_dataset(mixture), BatchPlan(8, 4, 1)).load_state_dict(older)) == (
+        "the state is of another data.shuffle_seed (1, here 9176): it cannot resume these batches")
+    resumed = TrainBatches(open_dataset(dataclasses.replace(mixture, shuffle_seed=1)), BatchPlan(8, 4, 1))
+    resumed.load_state_dict(older)
+    whole = TrainBatches(open_dataset(dataclasses.replace(mixture, shuffle_seed=1)), BatchPlan(8, 4, 1))
+    expected = [next(whole)["ids"].tolist() for _ in range(4)][2:]
+    assert [next(resumed)["ids"].tolist() for _ in range(2)] == expected
+    resumed.close(), whole.close()
+
+    fresh = TrainBatches(open_dataset(mixture), BatchPlan(8, 4, 1))
+    loader = {"streams": {"key": taken(mixture)}, "consumed": {}}  # a trainer checkpoint's ["loader"]
+    assert refusal(lambda: fresh.load_state_dict(loader)) == (
+        "this is not a TrainBatches state (keys 'streams', 'consumed'): give what TrainBatches.state_dict() "
+        "returned (a tokstream trainer's checkpoint holds its streams' states under ['loader']['streams'])")
+    assert refusal(lambda: fresh.load_state_dict([1, 2])).startswith("this is not a TrainBatches state (a list)")
+    off_step = dict(taken(mixture, micro_batches=1)["position"])  # streaming's position alone, half a step in
+    assert refusal(lambda: fresh.load_state_dict(off_step)) == (
+        "the position (sample 4 of its epoch) is not at a step of global_batch_size 8: it cannot resume these batches")
+    fresh.load_state_dict(taken(mixture)["position"])  # at a step: the trainer's states from before the reader API
+    fresh.close()

@@ -20,7 +20,8 @@ import numpy as np
 from tokstream.errors import UserError
 from tokstream.format import (decompress_shard, index_shards, parse_column_encoding, read_metadata, shard_samples,
                               stored_file)
-from tokstream.split_check import check_split, damaged_shard, dataset_identity, sample_count_problem
+from tokstream.split_check import (check_split, damaged_shard, dataset_identity, largest_token, sample_count_problem,
+                                   vocabulary_problem)
 
 
 class TokenSampleSource:
@@ -45,6 +46,7 @@ class TokenSampleSource:
         check_split(Path(root), split, metadata, root, local_files=True)
         shards = index_shards(Path(root, split))
         self.root, self.split = root, split
+        self.vocab_size = metadata.vocab_size
         self.identity = dataset_identity(Path(root), split)
         try:
             self.dtype, self.sample_length = parse_column_encoding(shards[0]["column_encodings"][0])
@@ -57,6 +59,7 @@ class TokenSampleSource:
         self._starts = np.cumsum([0] + self._counts).tolist()  # first sample of each shard; the total last
         # This process's mapped shards, the most recently read last: each mapping holds a file descriptor.
         self._views: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._sample_ends: dict[int, int] = {}  # per shard mapped: the file's length its samples need
         self._unpacked: tuple[int, np.ndarray] | None = None  # the compressed shard read last, decompressed
         self._mapping_lock = threading.Lock()
 
@@ -68,7 +71,22 @@ class TokenSampleSource:
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} is outside {self!r}, which has {len(self)}")
         shard = bisect.bisect_right(self._starts, index) - 1
-        return self._samples(shard)[index - self._starts[shard]]
+        samples = self._samples(shard)
+        if self._compression[shard] is None:
+            self._check_length(shard)
+        return samples[index - self._starts[shard]]
+
+    def _check_length(self, shard: int) -> None:
+        """A shard truncated since it was mapped would read as zeros (its last page) or kill the process (SIGBUS,
+        past it): a stat before each read refuses it instead."""
+        end = self._sample_ends[shard]
+        try:
+            size = os.stat(self._path(shard)).st_size
+        except FileNotFoundError:
+            size = -1
+        if size < end:
+            raise UserError(damaged_shard(self._path(shard), f"is {max(size, 0)} bytes since it was opened, not the "
+                                          f"{end} its samples need (truncated or removed while read)", self.root))
 
     def _samples(self, shard: int) -> np.ndarray:
         """The shard's samples: mapped, or (compressed) decompressed into memory, one shard at a time; random
@@ -78,7 +96,8 @@ class TokenSampleSource:
                 view = self._views.get(shard)
                 if view is None:
                     mapped = np.asarray(np.memmap(self._path(shard), dtype=np.uint8, mode="r"))  # a plain view reads faster
-                    view = self._views[shard] = self._checked(shard, mapped)
+                    view = self._views[shard] = self._checked(shard, mapped, mapped=True)
+                    self._sample_ends[shard] = view.ctypes.data - mapped.ctypes.data + view.nbytes
                     while len(self._views) > self.max_mapped_shards:
                         self._views.popitem(last=False)  # records handed out keep their own mapping alive
                 else:
@@ -95,12 +114,19 @@ class TokenSampleSource:
             unpacked = self._unpacked = (shard, self._checked(shard, np.frombuffer(data, dtype=np.uint8)))
         return unpacked[1]
 
-    def _checked(self, shard: int, data: np.ndarray) -> np.ndarray:
+    def _checked(self, shard: int, data: np.ndarray, mapped: bool = False) -> np.ndarray:
+        """The shard's samples, refused (as the training reader refuses them) when their count is not the index's or
+        a token id is past the vocabulary. A mapped shard is read for the check through a buffer (largest_token)."""
         try:
             samples = shard_samples(data, self.dtype, self.sample_length, every_offset=False)
             problem = sample_count_problem(len(samples), self._counts[shard])
         except ValueError as err:
             problem = str(err).removeprefix("shard ")  # "shard is truncated: ...", and damaged_shard names the shard
+        if problem is None and len(samples):
+            begin = samples.ctypes.data - data.ctypes.data
+            largest = (largest_token(self._path(shard), begin, begin + samples.nbytes, self.dtype) if mapped
+                       else int(samples.max()))
+            problem = vocabulary_problem(largest, self.vocab_size)
         if problem is not None:
             raise UserError(damaged_shard(self._path(shard), problem, self.root))
         return samples
@@ -110,13 +136,14 @@ class TokenSampleSource:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for name in ("_views", "_unpacked", "_mapping_lock"):  # each process maps for itself
+        for name in ("_views", "_sample_ends", "_unpacked", "_mapping_lock"):  # each process maps for itself
             del state[name]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._views, self._unpacked, self._mapping_lock = OrderedDict(), None, threading.Lock()
+        self._views, self._sample_ends, self._unpacked = OrderedDict(), {}, None
+        self._mapping_lock = threading.Lock()
 
     def __repr__(self) -> str:  # the data, not where it lies: a checkpoint restores on a copy elsewhere
         return f"TokenSampleSource(split={self.split!r}, identity={self.identity!r}, samples={len(self)})"

@@ -6,6 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
+
 from tokstream.errors import UserError
 from tokstream.format import METADATA_FILE, DatasetMetadata, shard_sample_count, stored_file
 
@@ -19,6 +21,38 @@ def damaged_shard(path: object, problem: str, dataset: str) -> str:
 def sample_count_problem(held: int, indexed: int) -> str | None:
     """A shard must hold the samples its index entry counts: streaming reads up to that count."""
     return None if held == indexed else f"holds {held} samples, the index says {indexed}"
+
+
+# Read in pieces of this size by largest_token: a whole shard's pages would otherwise be mapped in.
+CHECK_CHUNK = 4 << 20
+
+
+def largest_token(path: object, begin: int, end: int, dtype: np.dtype) -> int:
+    """The largest token id in bytes [begin, end) of a shard file (0 if none), read through a buffer in pieces
+    rather than through the rank's mapping: a whole-shard pass through the mapping would make every page of
+    the shard resident in the rank (660-850 MB at a first batch of OpenWebText's size, bench/scale.py), where
+    training touches only its samples' pages. The Grain source reads it the same way."""
+    largest, itemsize = 0, np.dtype(dtype).itemsize
+    buffer = bytearray(CHECK_CHUNK)
+    with open(path, "rb", buffering=0) as file:
+        file.seek(begin)
+        while begin < end:
+            read = file.readinto(memoryview(buffer)[:min(CHECK_CHUNK, end - begin)])
+            if not read:
+                break  # shorter than its offsets say: shard_samples has refused that already
+            tokens = read // itemsize
+            if tokens:
+                largest = max(largest, int(np.frombuffer(buffer, dtype, count=tokens).max()))
+            begin += read
+    return largest
+
+
+def vocabulary_problem(largest: int, vocab_size: int) -> str | None:
+    """A shard whose `largest` token id is past its dataset's vocabulary would end training in an embedding
+    lookup (a device assert on a GPU): the words for it, or None."""
+    if largest >= vocab_size:
+        return f"holds token id {largest}, outside the dataset's vocab_size {vocab_size}"
+    return None
 
 
 def check_split(root: Path, split: str, metadata: DatasetMetadata, dataset: str, local_files: bool) -> None:

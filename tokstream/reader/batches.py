@@ -57,7 +57,7 @@ class TrainBatches:
             pin_memory = False
         config = dataset.config
         self.epoch_samples = dataset.epoch_samples(plan)  # per source
-        self._identity = {"dataset_identity": dataset.identity, "global_batch_size": plan.global_batch_size}
+        self._of = order_of(dataset, plan)
         self.loader = make_loader(config, config.split, plan.micro_batch_size, shuffle=True, pin_memory=pin_memory,
                                   choose=self.epoch_samples, sources=dataset.sources, reuse_slots=reuse_buffers,
                                   vocab_sizes=[m.vocab_size for m in dataset.metadata])
@@ -82,23 +82,18 @@ class TrainBatches:
         return next(self._batches)
 
     def state_dict(self) -> dict:
-        """Where the next micro-batch is, for every rank (rank 0's is enough to save), and what it is of."""
+        """Where the next micro-batch is, for every rank (rank 0's is enough to save), and what decides the order
+        it is a position in (STATE_FORMAT)."""
         if self._closed:
             return self._closed_state
-        return {**self._identity, "position": self.loader.state_dict()}
+        return {"format": STATE_FORMAT, **self._of, "position": self.loader.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a state_dict() of the same dataset and global batch, before the first batch is taken."""
+        """Continue from a state_dict() of batches in the same order (the same data, weights, global batch, shuffle
+        and block), before the first batch is taken; any other state is refused in one line."""
         if self._started:
             raise UserError("load_state_dict must come before the first micro-batch is taken")
-        if "position" not in state:  # a checkpoint of tokstream's trainer from before the reader API: the
-            self.loader.load_state_dict(state)  # position alone (the trainer checks dataset and batch itself)
-            return
-        for key, value in self._identity.items():
-            if state.get(key) != value:
-                raise UserError(f"the state is of another {'dataset' if key == 'dataset_identity' else key} "
-                                f"({state.get(key)}, here {value}): it cannot resume these batches")
-        self.loader.load_state_dict(state["position"])
+        self.loader.load_state_dict(checked_position(state, self._of))
 
     def close(self) -> None:
         """End the epoch's iterator: its DataLoader workers exit, its shared ring is unmapped and its shared
@@ -111,8 +106,63 @@ class TrainBatches:
         self.loader.dataset.release_shared_memory()
 
 
+# What TrainBatches.state_dict() returns: "format", what decides the order (order_of), and "position", streaming's
+# own state. Two older forms are still read: the same without "format" and with only dataset_identity and
+# global_batch_size (2026, before the weights and shuffle were kept), and streaming's position alone (tokstream's
+# trainer before the reader API).
+STATE_FORMAT = "tokstream.reader.TrainBatches/2"
+STREAMING_POSITION = {"epoch", "sample_in_epoch", "num_canonical_nodes", "shuffle_seed", "initial_physical_nodes"}
+# What each key of order_of() is called in a refusal.
+ORDER_WORDS = {"dataset_identity": "dataset", "global_batch_size": "global_batch_size", "weights": "mixture weights",
+               "shuffle_seed": "data.shuffle_seed", "shuffle_algo": "data.shuffle_algo",
+               "shuffle_block_size": "data.shuffle_block_size", "num_canonical_nodes": "data.num_canonical_nodes",
+               "block_size": "block size"}
+
+
+def order_of(dataset: Dataset, plan: BatchPlan) -> dict:
+    """Everything that decides which sample comes at which position of a reader's order."""
+    config = dataset.config
+    return {"dataset_identity": dataset.identity, "global_batch_size": plan.global_batch_size,
+            "weights": [[source.weight, source.value] for source in dataset.sources],
+            "shuffle_seed": config.shuffle_seed, "shuffle_algo": config.shuffle_algo,
+            "shuffle_block_size": config.shuffle_block_size, "num_canonical_nodes": config.num_canonical_nodes,
+            "block_size": dataset.metadata[0].block_size}
+
+
+def checked_position(state: object, order: dict) -> dict:
+    """Streaming's position from a state of batches in `order`; one line refusing anything else."""
+    if not isinstance(state, dict) or not ("position" in state or set(state) == STREAMING_POSITION):
+        keys = f"keys {', '.join(map(repr, state))}" if isinstance(state, dict) else f"a {type(state).__name__}"
+        raise UserError(f"this is not a TrainBatches state ({keys}): give what TrainBatches.state_dict() returned "
+                        "(a tokstream trainer's checkpoint holds its streams' states under ['loader']['streams'])")
+    if "position" in state:
+        if state.get("format", STATE_FORMAT) != STATE_FORMAT:
+            raise UserError(f"the state's format is {state['format']!r}, not {STATE_FORMAT!r}: it was written by "
+                            "another version of tokstream's reader")
+        kept = order if "format" in state else {key: order[key] for key in ("dataset_identity", "global_batch_size")}
+        saved, position = {key: state.get(key) for key in kept}, state["position"]
+    else:  # streaming's position alone: whole steps only (the trainer saved it between steps)
+        saved, position = {}, state
+        if not isinstance(position["sample_in_epoch"], int) or position["sample_in_epoch"] % order["global_batch_size"]:
+            raise UserError(f"the position (sample {position['sample_in_epoch']} of its epoch) is not at a step of "
+                            f"global_batch_size {order['global_batch_size']}: it cannot resume these batches")
+    if not isinstance(position, dict) or not STREAMING_POSITION <= set(position):
+        raise UserError("the state's position is damaged (it lacks streaming's epoch and sample_in_epoch): it cannot "
+                        "resume these batches")
+    # The position itself carries streaming's seed and canonical nodes, which stock streaming would silently adopt.
+    saved.update({key: position[key] for key in ("shuffle_seed", "num_canonical_nodes")})
+    for key, value in saved.items():
+        if value != order[key]:
+            raise UserError(f"the state is of another {ORDER_WORDS[key]} ({value}, here {order[key]}): it cannot "
+                            "resume these batches")
+    return position
+
+
 def _source_of(first_sample_of_source: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
     return np.searchsorted(first_sample_of_source, sample_ids, side="right") - 1
+
+
+_WARNED_MAX_DOCUMENTS: set[int] = set()
 
 
 def _documents_adder(dataset: Dataset, max_documents: int | None):
@@ -122,13 +172,12 @@ def _documents_adder(dataset: Dataset, max_documents: int | None):
     if not isinstance(max_documents, int) or isinstance(max_documents, bool) or max_documents < 1:
         raise UserError(f"max_documents must be a positive whole number, got {max_documents!r}")
     metadata = dataset.metadata[0]  # a mixture's sources share their separator (mixture.check_same_tokens)
-    warned = []
 
     def add_documents(batch: dict) -> None:
         batch.update(document_structure(batch["tokens"].numpy(), metadata.separator_id, metadata.separator_position,
                                         max_documents))
-        if batch["document_count"] > max_documents and not warned:
-            warned.append(True)
+        if batch["document_count"] > max_documents and max_documents not in _WARNED_MAX_DOCUMENTS:
+            _WARNED_MAX_DOCUMENTS.add(max_documents)  # once per process, not per reader (a run opens several)
             warnings.warn(f"a micro-batch holds {int(batch['document_count'])} documents, more than max_documents "
                           f"{max_documents}: its cu_seqlens merges the last ones (raise data.max_documents)",
                           stacklevel=2)

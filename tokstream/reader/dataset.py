@@ -109,6 +109,12 @@ class Dataset:
         return mixture.describe_epoch(self.sources, self.samples(self.config.split), self.epoch_samples(plan),
                                       plan.global_batch_size)
 
+    def token_difference(self, other: "Dataset") -> tuple | None:
+        """(setting, its value here, other's) of the first way its token ids mean other things than `other`'s
+        (tokenizer, vocabulary, separator and its position); None when a model reads both alike (block sizes may
+        differ)."""
+        return mixture.token_difference(other.metadata[0], self.metadata[0], layout=False)
+
     def check_resumes(self, saved_identity: str) -> None:
         """Refuse to resume on other samples than a checkpoint's (the settings that order them: the trainer's
         resume_policy.py)."""

@@ -84,17 +84,30 @@ def sources(config: DataConfig) -> list[Source]:
     return resolved
 
 
+# What makes a token id mean the same to a model; a mixture's sources also share how samples are laid out.
+MEANING = ("vocab_size", "separator_id", "separator_position")
+LAYOUT = ("block_size", "dtype")
+
+
+def token_difference(first: DatasetMetadata, other: DatasetMetadata, layout: bool = True) -> tuple | None:
+    """(key, other's value, first's) of the first setting in which `other`'s tokens differ from `first`'s, or
+    None. The tokenizer's file identifies it where both record one; its name otherwise."""
+    identity = "tokenizer_sha256" if first.tokenizer_sha256 and other.tokenizer_sha256 else "tokenizer"
+    for key in (identity, *MEANING, *(LAYOUT if layout else ())):
+        if getattr(other, key) != getattr(first, key):
+            return key, getattr(other, key), getattr(first, key)
+    return None
+
+
 def check_same_tokens(sources: list[Source], metadata: list[DatasetMetadata]) -> None:
     """Refuse sources whose samples do not mean the same to the model."""
-    first = metadata[0]
     for source, other in zip(sources[1:], metadata[1:]):
-        # The tokenizer's file identifies it where both record one; its name otherwise.
-        identity = "tokenizer_sha256" if first.tokenizer_sha256 and other.tokenizer_sha256 else "tokenizer"
-        for key in (identity, "vocab_size", "separator_id", "separator_position", "block_size", "dtype"):
-            if getattr(other, key) != getattr(first, key):
-                raise UserError(f"{source.where} at {source.remote} has {key}={getattr(other, key)!r}, "
-                                f"{sources[0].where} {getattr(first, key)!r}: a mixture's sources must share "
-                                "tokenizer, vocabulary, block size and dtype; reconvert one of them")
+        difference = token_difference(metadata[0], other)
+        if difference is not None:
+            key, value, first = difference
+            raise UserError(f"{source.where} at {source.remote} has {key}={value!r}, {sources[0].where} {first!r}: a "
+                            "mixture's sources must share tokenizer, vocabulary, block size and dtype; reconvert one "
+                            "of them")
 
 
 def apportion(total: int, weights: list[float | int]) -> list[int]:

@@ -21,33 +21,9 @@ from tokstream.reader import streaming_door
 from tokstream.reader.streaming_door import streaming_internals as internals
 from tokstream.reader.stale_shm import record_owner, release_owner
 from tokstream.reader.transfer_ring import TransferRing
-from tokstream.split_check import damaged_shard, sample_count_problem
+from tokstream.split_check import damaged_shard, largest_token, sample_count_problem, vocabulary_problem
 
 _TORCH_DTYPE = {np.dtype(np.uint16): torch.uint16, np.dtype(np.uint32): torch.uint32}
-
-
-# Read in pieces of this size by largest_token: a whole shard's pages would otherwise be mapped in.
-CHECK_CHUNK = 4 << 20
-
-
-def largest_token(path: object, begin: int, end: int, dtype: np.dtype) -> int:
-    """The largest token id in bytes [begin, end) of a shard file (0 if none), read through a buffer in pieces
-    rather than through the rank's mapping: a whole-shard pass through the mapping would make every page of
-    the shard resident in the rank (660-850 MB at a first batch of OpenWebText's size, bench/scale.py), where
-    training touches only its samples' pages."""
-    largest, itemsize = 0, np.dtype(dtype).itemsize
-    buffer = bytearray(CHECK_CHUNK)
-    with open(path, "rb", buffering=0) as file:
-        file.seek(begin)
-        while begin < end:
-            read = file.readinto(memoryview(buffer)[:min(CHECK_CHUNK, end - begin)])
-            if not read:
-                break  # shorter than its offsets say: shard_samples has refused that already
-            tokens = read // itemsize
-            if tokens:
-                largest = max(largest, int(np.frombuffer(buffer, dtype, count=tokens).max()))
-            begin += read
-    return largest
 
 
 class TokenDataset(internals.ResumeStateKept, internals.WindowedDownloadAhead):
@@ -130,8 +106,8 @@ class TokenDataset(internals.ResumeStateKept, internals.WindowedDownloadAhead):
         which would end training in an embedding lookup (a device assert on a GPU). Run once per mapped shard
         and on each row read through stock get_item (a shard not local yet)."""
         stream = self.stream_per_shard[shard_id]
-        if problem is None and largest is not None and largest >= self.vocab_sizes[stream]:
-            problem = f"holds token id {largest}, outside the dataset's vocab_size {self.vocab_sizes[stream]}"
+        if problem is None and largest is not None:
+            problem = vocabulary_problem(largest, self.vocab_sizes[stream])
         if problem is not None:
             dataset = self.streams[stream].remote or self.streams[stream].local
             raise DamagedData(damaged_shard(path, problem, dataset))

@@ -81,9 +81,13 @@ def pointer_step(store: RunStore) -> tuple[int | None, str | None]:
     if data is None:
         return None, "missing"
     try:
-        return int(json.loads(data)["step"]), None
+        step = json.loads(data)["step"]
     except (ValueError, KeyError, TypeError):
+        step = None
+    # A step is a whole number: JSON also reads 1e999 (infinity, which int() cannot take), 12.5 or true.
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         return None, f"damaged ({data[:40]!r})"
+    return step, None
 
 
 def read_manifest(store: RunStore, step: int) -> dict | None:

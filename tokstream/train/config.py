@@ -78,10 +78,10 @@ class TrainConfig:
     # uninterrupted run's losses bit for bit, at some cost in speed. CPU runs are deterministic anyway.
     deterministic: bool = False
     log_interval: int = 10
-    eval_interval: int = 2000
+    eval_interval: int = 2000  # 0: no evaluation
     eval_batches: int = 20
     checkpoint_interval: int = 1000
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 3  # 0: keep every checkpoint
     # Periodic checkpoints are copied to host memory at the step boundary and written while training
     # goes on; preemption and final saves always wait until written.
     background_checkpoints: bool = True
@@ -232,6 +232,48 @@ def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
     return config
 
 
+# Each numeric setting's range, checked once when a config is loaded (check_ranges): (lowest, whether the lowest
+# itself is allowed, highest or None, what the value means at the edge, if anything).
+RANGES = {
+    "max_steps": (1, True, None, ""), "global_batch_size": (1, True, None, ""), "micro_batch_size": (1, True, None, ""),
+    "log_interval": (1, True, None, ""), "eval_interval": (0, True, None, "0 turns evaluation off"),
+    "eval_batches": (1, True, None, ""), "checkpoint_interval": (1, True, None, ""),
+    "keep_checkpoints": (0, True, None, "0 keeps every checkpoint"), "preempt_grace_s": (0, False, None, ""),
+    "lease_interval_s": (0, False, None, ""),
+    "model.vocab_size": (1, True, None, ""), "model.block_size": (1, True, None, ""), "model.n_layer": (1, True, None, ""),
+    "model.n_head": (1, True, None, ""), "model.n_embd": (1, True, None, ""), "model.dropout": (0, True, 1, ""),
+    "optim.lr": (0, True, None, ""), "optim.min_lr": (0, True, None, ""), "optim.warmup_steps": (0, True, None, ""),
+    "optim.decay_steps": (1, True, None, ""), "optim.weight_decay": (0, True, None, ""),
+    "optim.beta1": (0, True, 1, ""), "optim.beta2": (0, True, 1, ""), "optim.grad_clip": (0, True, None, "0 turns clipping off"),
+    "optim.warmup_tokens": (0, True, None, ""), "optim.decay_tokens": (1, True, None, ""),
+    "data.shuffle_seed": (0, True, 2**32, ""), "data.shuffle_block_size": (1, True, None, ""),
+    "data.num_canonical_nodes": (1, True, None, ""), "data.num_workers": (0, True, None, ""),
+    "data.prefetch_factor": (1, True, None, ""), "data.predownload": (1, True, None, ""),
+    "data.download_retry": (0, True, None, ""), "data.max_documents": (1, True, None, ""),
+}
+
+
+def check_ranges(config: TrainConfig) -> None:
+    """Refuse, in one line naming it, a numeric setting outside its range (RANGES): a zero interval would divide
+    by zero after the first step, with nothing saved."""
+    for key, (lowest, inclusive, highest, meaning) in RANGES.items():
+        value = config
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value is None:
+            continue
+        above = value >= lowest if inclusive else value > lowest
+        if above and (highest is None or value < highest):
+            continue
+        whole = isinstance(value, int)
+        low = f"at least {lowest}" if inclusive else f"above {lowest}"
+        rule = f"{'a whole number ' if whole else ''}{low}" + (f" and below {highest}" if highest is not None else "")
+        raise UserError(f"{key} must be {rule}, got {value!r}" + (f" ({meaning})" if meaning else ""))
+    if config.model.n_embd % config.model.n_head:
+        raise UserError(f"model.n_embd {config.model.n_embd} is not a multiple of model.n_head {config.model.n_head}: "
+                        "each head takes an equal share of the embedding")
+
+
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     """Defaults, then the YAML file, then `key=value` overrides (values parsed as YAML)."""
     config = TrainConfig()
@@ -244,6 +286,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
         for key, value in loaded.items():
             _apply(config, str(key), value, path)
     apply_overrides(config, overrides)
+    check_ranges(config)
     first = config.phases[0].data if config.phases else config.data
     if not (config.data.remote or config.data.streams or first.remote or first.streams):
         raise UserError("data.remote is not set: give the dataset root, e.g. data.remote=data/owt, or a mixture "

@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from tokstream.object_store import is_s3
@@ -9,25 +10,54 @@ from tokstream.object_store import is_s3
 METRICS_FILE = "metrics.jsonl"
 
 
-def _whole_lines(text: str) -> list[str]:
-    """The complete lines: a kill (or a read) mid-write leaves a last line without its newline."""
-    return [line for line in text.rpartition("\n")[0].splitlines() if line]
+def _whole_lines(text: str) -> list[tuple[int, str]]:
+    """The complete lines, each with its number in the file: a kill (or a read) mid-write leaves a last line
+    without its newline."""
+    return [(number, line) for number, line in enumerate(text.rpartition("\n")[0].split("\n"), start=1) if line]
+
+
+def step_record(line: str) -> dict | None:
+    """The record of one step a line holds, or None: a line cut by a kill and then appended to, or edited."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    step, loss = record.get("step"), record.get("loss")
+    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(loss, (int, float)) or isinstance(loss, bool):
+        return None
+    return record
+
+
+def _records(text: str, where: object) -> list[tuple[str, dict | None]]:
+    """Each complete line with its record (None for a damaged one), after one warning on stderr naming the
+    damaged lines: a run's log must not stop its relaunch, its ledger or its plot."""
+    lines = _whole_lines(text)
+    parsed = [(line, step_record(line)) for _, line in lines]
+    damaged = [number for (number, _), (_, record) in zip(lines, parsed) if record is None]
+    if damaged:
+        listed = ", ".join(map(str, damaged[:10])) + (f" and {len(damaged) - 10} more" if len(damaged) > 10 else "")
+        print(f"warning: {where} line{'s' * (len(damaged) > 1)} {listed} {'is' if len(damaged) == 1 else 'are'} not a "
+              "step's record (cut by a kill, or edited): skipped; delete or repair them to silence this",
+              file=sys.stderr, flush=True)
+    return parsed
 
 
 def _read_text(path: Path) -> str:
-    return path.read_text() if path.exists() else ""
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def read_records(run_dir: str | os.PathLike) -> list[dict]:
-    """A run's metrics, one record per step, also while the run is still writing them. For a run
-    in S3: the copy uploaded with its newest checkpoint."""
+    """A run's metrics, one record per step, also while the run is still writing them (damaged lines skipped,
+    with a warning). For a run in S3: the copy uploaded with its newest checkpoint."""
     if is_s3(run_dir):
         from tokstream.train.run_store import S3RunStore
 
-        text = (S3RunStore(str(run_dir), local=".").read_bytes(METRICS_FILE) or b"").decode()
+        text = (S3RunStore(str(run_dir), local=".").read_bytes(METRICS_FILE) or b"").decode(errors="replace")
     else:
         text = _read_text(Path(run_dir) / METRICS_FILE)
-    return [json.loads(line) for line in _whole_lines(text)]
+    return [record for _, record in _records(text, f"{str(run_dir).rstrip('/')}/{METRICS_FILE}") if record is not None]
 
 
 class MetricsLog:
@@ -39,7 +69,8 @@ class MetricsLog:
         """Drop lines for steps after the checkpoint we resume from: they will be trained again."""
         if not self.enabled or not self.path.exists():
             return
-        kept = [line for line in _whole_lines(_read_text(self.path)) if json.loads(line)["step"] <= step]
+        # A damaged line is kept as it is (it may be all that is left of a step): the readers skip it.
+        kept = [line for line, record in _records(_read_text(self.path), self.path) if record is None or record["step"] <= step]
         temporary = self.path.with_suffix(".tmp")
         temporary.write_text("".join(line + "\n" for line in kept))
         os.replace(temporary, self.path)

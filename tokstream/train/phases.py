@@ -96,6 +96,7 @@ class Recipe:
     units: list[int]  # per phase: its stream's unit, the global batch of the first phase reading it
     micro_batch_size: int
     world_size: int
+    vocab_size: int  # the model's: each phase's data is checked against it when opened
 
     @classmethod
     def open(cls, config: TrainConfig, world_size: int) -> "Recipe":
@@ -112,6 +113,13 @@ class Recipe:
                 except UserError as err:
                     raise UserError(f"{phase.name}: {err}" if config.phases else str(err)) from None
             datasets.append(opened[key])
+        for phase, dataset in zip(phases[1:], datasets[1:]):
+            difference = dataset.token_difference(datasets[0])
+            if difference is not None:
+                key, value, first = difference
+                raise UserError(f"{phase.name}'s data ({_where(phase)}) has {key}={value!r}, phases.0's {first!r}: "
+                                "every phase feeds one model, so its data must share the tokenizer, vocabulary and "
+                                "separator (and its position); reconvert it")
         if config.phases:
             blocks = [dataset.metadata[0].block_size for dataset in datasets]
             largest = blocks.index(max(blocks))
@@ -129,7 +137,19 @@ class Recipe:
                                 f"to read it): use a multiple of {unit}, so that each step takes whole units of "
                                 "the data's order")
             units.append(unit)
-        return cls(phases, datasets, units, config.micro_batch_size, world_size)
+        return cls(phases, datasets, units, config.micro_batch_size, world_size, vocab)
+
+    def changed_since_opened(self, phase: Phase) -> str | None:
+        """Why `phase`'s data, opened again now, is not what open() found (another conversion replaced it, or it
+        is gone or incomplete), or None: a run reads what it recorded, or stops."""
+        try:
+            found = open_dataset(phase.data, self.vocab_size, None).identity
+        except UserError as err:
+            return f"{phase.name}'s data ({_where(phase)}) can no longer be read: {err}"
+        if found != self.dataset(phase).identity:
+            return (f"{phase.name}'s data ({_where(phase)}) changed since this launch opened it (identity "
+                    f"{self.dataset(phase).identity}, now {found})")
+        return None
 
     def check_plans(self, step: int) -> None:
         """Refuse micro-batches x ranks that do not cut the unit of a phase run at or after `step` (steps done):
@@ -206,7 +226,12 @@ class Recipe:
             if self.stream(phase) not in seen:
                 seen.add(self.stream(phase))
                 unit = self.units[phase.index]
-                line = self.dataset(phase).describe_epoch(BatchPlan(unit, 1, 1))  # the epoch depends on the unit alone
+                try:
+                    line = self.dataset(phase).describe_epoch(BatchPlan(unit, 1, 1))  # the epoch depends on the unit alone
+                except UserError as err:
+                    if len(self.phases) == 1:
+                        raise
+                    raise UserError(f"{phase.name}'s data ({_where(phase)}): {err}") from None
                 lines.append(line if len(self.phases) == 1 else
                              f"{phase.name}'s data: " + line.replace(" steps: ", f" steps of {unit} samples: ", 1))
         return lines
@@ -236,6 +261,11 @@ class Recipe:
         data = dataset.config.remote or "a mixture of " + ", ".join(dataset.source_names)
         return (f"{phase.name} from step {phase.start_step}: global batch {phase.global_batch_size} "
                 f"(accumulation {self.plan(phase).accumulation}), block {self.block_size(phase)}, {data}")
+
+
+def _where(phase: Phase) -> str:
+    """Where a phase's data lies, for its refusals: the dataset, or a mixture's sources."""
+    return phase.data.remote or ", ".join(stream.remote for stream in phase.data.streams)
 
 
 def stream_key(dataset: Dataset) -> str:

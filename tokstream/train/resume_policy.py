@@ -126,6 +126,9 @@ def check_phases(saved: dict, config: TrainConfig, step: int) -> list[str]:
                             f"those steps were trained in {started_old[-1].name}; {keep}")
         if index >= len(started_new):
             phase = started_old[index]
+            if index < len(new):  # still there, but moved past the checkpoint
+                raise UserError(f"{phase.name} started at step {phase.start_step}, but this launch moves its start_step "
+                                f"to {new[index].start_step}, after the checkpoint's step {step}; {keep}")
             raise UserError(f"{phase.name}, which started at step {phase.start_step}, is gone from this launch's "
                             f"phases (the checkpoint is at step {step}); {keep}")
         then, now = started_old[index], started_new[index]

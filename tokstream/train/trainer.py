@@ -165,6 +165,8 @@ def enter_phase(run: Run, step: int) -> str | None:
     if phase == run.phase:
         return None
     if run.phase is None or phase.data != run.phase.data:
+        if run.phase is not None:  # opened at start-up; a phase's data may be replaced meanwhile
+            stop_if_data_changed(run, phase, step)
         run.val_loaders = None
         gc.collect()  # the old evaluation data's StreamingDatasets go before the new ones register
         run.batches.enter(phase)
@@ -175,6 +177,21 @@ def enter_phase(run: Run, step: int) -> str | None:
         run.source_names = dataset.source_names
     run.phase, run.plan = phase, run.recipe.plan(phase)
     return run.recipe.describe(phase) if len(run.recipe.phases) > 1 else None
+
+
+def stop_if_data_changed(run: Run, phase: Phase, step: int) -> None:
+    """Before `phase` reads its data, check on every rank that it is what this launch opened (and recorded in its
+    checkpoints); if not, save a checkpoint at this boundary and stop: the relaunch opens and records the data as
+    it is now, for a phase that has not started."""
+    problem = next(filter(None, run.dist.gather(run.recipe.changed_since_opened(phase))), None)
+    if problem is None:
+        return
+    run.checkpointer.save(step)
+    run.dist.close()
+    if run.lease is not None:
+        run.lease.release()
+    raise UserError(f"{problem}; saved a checkpoint at step {step}, before {phase.name} starts: relaunch the same "
+                    f"command to train {phase.name} on the data as it is now")
 
 
 def settle_gradient_buckets(model: DDP, optimizer: torch.optim.Optimizer, config: TrainConfig,
