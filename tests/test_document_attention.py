@@ -197,3 +197,11 @@ def test_settings_and_calls_that_cannot_work_are_refused_in_one_line(dataset):
         batch = next(batches)
     assert batch["document_count"] > 2 and batch["cu_seqlens"].tolist()[-1] == batch["tokens"][:, :-1].numel()
     batches.close()
+    import warnings
+
+    again = TrainBatches(open_dataset(DataConfig(remote=str(dataset))), BatchPlan(8, 4, 1), max_documents=2)
+    with warnings.catch_warnings(record=True) as caught:  # once per process: a run opens several readers
+        warnings.simplefilter("always")
+        next(again)
+    assert not [w for w in caught if "max_documents" in str(w.message)]
+    again.close()
