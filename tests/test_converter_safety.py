@@ -58,6 +58,14 @@ def beside_a_dataset(out: Path) -> Path:
     return out / "train" / "notes.txt"
 
 
+def a_shard_like_file_of_its_own(out: Path) -> Path:
+    """A user's backup named like one of the project's shards: a shard's name must match whole, not begin alike."""
+    assert run_script(TEXT, plays(out.parent / "earlier"), "--out", out, *SMALL).returncode == 0
+    shard = next((out / "train").glob("shard.*.mds"))
+    (out / "train" / f"{shard.name}.bak").write_bytes(shard.read_bytes())
+    return out / "train" / f"{shard.name}.bak"
+
+
 def metadata_json_of_its_own(out: Path) -> Path:
     out.mkdir()
     (out / "metadata.json").write_text('{"title": "my photos"}')
@@ -95,6 +103,7 @@ REFUSAL = "--overwrite replaces only a dataset this project wrote, or an empty f
 OVERWRITES = [  # (what lies at --out, the words of the refusal)
     (foreign_file, REFUSAL + " holds thesis.doc, which no conversion writes: move it away"),
     (beside_a_dataset, REFUSAL + " holds train/notes.txt, which no conversion writes"),
+    (a_shard_like_file_of_its_own, REFUSAL + " holds train/shard.00000.mds.bak, which no conversion writes"),
     (metadata_json_of_its_own, REFUSAL + " holds no metadata.json of a finished conversion"),
     (a_part_record_of_its_own, REFUSAL + " holds no metadata.json of a finished conversion"),
     (a_folder_of_its_own_beside_a_dataset, REFUSAL + " holds website/, which no conversion writes"),

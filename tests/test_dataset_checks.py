@@ -195,3 +195,40 @@ def test_a_zero_interval_is_refused_by_the_trainer_in_one_line_before_anything_r
     assert (result.returncode, result.stderr) == (2, "error: checkpoint_interval must be a whole number at least 1, "
                                                      "got 0\n")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("token,refused_", [(50256, False), (50257, True)], ids=["last-id", "vocab-size"])
+def test_the_vocabularys_last_id_is_read_and_its_size_refused_by_the_reader_and_verify(data, token, refused_):
+    """The edge of the check: GPT-2's vocab_size 50257 is the first id past the embedding, 50256 its last row (the
+    torchrun test above uses 60000). The reader reads every sample of a shard holding 50256 and refuses one holding
+    50257, naming the shard; convert/verify.py, a process of its own, says the same."""
+    from tokstream.errors import DamagedData
+    from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
+
+    shard = data / "train" / "shard.00000.mds"
+    body = bytearray(shard.read_bytes())
+    shard_samples(body, np.uint16, 65)[7, 3] = token  # one token of one sample; the file keeps its size
+    shard.write_bytes(body)
+    # Its hash made to agree, as a converter that wrote the id would have: only the id is wrong.
+    import xxhash
+
+    edit_json(data / "train" / "index.json",
+              lambda index: index["shards"][0]["raw_data"]["hashes"].update(xxh64=xxhash.xxh64(bytes(body)).hexdigest()))
+    batches = TrainBatches(open_dataset(DataConfig(remote=str(data)), 50257), BatchPlan(8, 8, 1))
+    try:
+        if refused_:
+            with pytest.raises(DamagedData, match=f"^shard {shard} holds token id 50257, outside the dataset's "
+                                                  "vocab_size 50257: the dataset is damaged"):
+                next(batches)
+        else:
+            read = np.concatenate([next(batches)["tokens"].numpy() for _ in range(246 // 8)])
+            assert (read == token).sum() == 1
+    finally:
+        batches.close()
+    verified = subprocess.run([sys.executable, "convert/verify.py", str(data)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+    said = verified.stdout + verified.stderr
+    if refused_:
+        assert verified.returncode == 2 and "PROBLEM train: token id 50257 >= vocab_size 50257" in said, said
+    else:  # 50256 is GPT-2's separator too: verify counts one more than the metadata's documents, and nothing else
+        assert "token id" not in said and "1 separator tokens but 0 documents" in said, said

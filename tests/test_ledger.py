@@ -236,3 +236,22 @@ def test_a_damaged_metrics_line_or_latest_blocks_neither_the_relaunch_nor_the_le
     kept = (copy / "metrics.jsonl").read_text().splitlines(keepends=True)
     assert kept[:13] == damaged and [json.loads(line)["step"] for line in kept[13:]] == [11, 12]
     assert [r["samples"] for r in read_records(copy)][:10] == [r["samples"] for r in read_records(run)]
+
+
+@pytest.mark.parametrize("start", [0, 2])
+def test_each_rank_of_asymmetric_layouts_reads_what_streamings_own_partition_deals_it(datasets, start):
+    """2 nodes x 4 ranks and 4 x 2, rank by rank and in order (not sorted): SampleOrder against stock streaming's
+    get_partitions over the epoch's order, from the epoch's start and from step 2. 1 x N and 2 x 2 give the same
+    answer with nodes and ranks per node swapped; these do not."""
+    from streaming.base.partition import get_partitions
+
+    order = SampleOrder(open_dataset(DataConfig(remote=str(datasets["a"]))), 8)
+    try:
+        epoch = order.steps(0, 5, 1, 1).reshape(-1)  # 40 samples: one rank reads the epoch's order itself
+        for nodes, per_node in ((2, 4), (4, 2)):
+            dealt = get_partitions("orig", 40 - 8 * start, 1, nodes, per_node, 1, 1, 0).reshape(8, -1)
+            expected = epoch[8 * start:][dealt]  # a reader resumed at step `start` deals out the rest alike
+            read = order.steps(start, 5 - start, nodes, per_node)  # (steps, ranks, samples per rank)
+            assert read.transpose(1, 0, 2).reshape(8, -1).tolist() == expected.tolist(), (nodes, per_node)
+    finally:
+        order.close()

@@ -581,3 +581,36 @@ def test_a_later_phases_data_replaced_mid_run_stops_the_run_at_its_boundary_and_
         assert [ledger.step(step).samples.tolist() for step in range(1, 11)] == [m["samples"] for m in traced]
     finally:
         ledger.close()
+
+
+def test_units_before_and_the_ledger_give_the_steps_the_reader_reads_across_every_boundary(data):
+    """In process, in seconds: for each step of the five phases (a ramp, other data, data read again, a mixture),
+    units_before places the step in its stream exactly where PhasedBatches reads it, and the ledger's core, given
+    no records, deals it to 1 rank and to 2 as the reader would."""
+    from tokstream.train.ledger import Ledger
+
+    config = phased(data)
+    recipe = Recipe.open(config, 1)
+    batches = PhasedBatches(recipe, pin_memory=False)
+    steps = read_steps(recipe, batches, 0, 20)
+    batches.close()
+    streams = {phase.index: stream(recipe.dataset(phase).config, recipe.units[phase.index], 200)
+               for phase in recipe.phases}
+    for step, ids in enumerate(steps):
+        phase = recipe.at(step)
+        at = recipe.units_before(phase, step) * recipe.units[phase.index]
+        assert ids == streams[phase.index][at:at + phase.global_batch_size], step
+    assert [recipe.units_before(recipe.phases[3], s) for s in (0, 6, 10, 12, 14, 20)] == [0, 6, 14, 14, 18, 18]
+
+    ledger = Ledger(config, recipe, records={}, saved_step=0)
+    try:
+        for step, ids in enumerate(steps, start=1):
+            assert ledger.step(step, ranks=1).samples.tolist() == [ids], step
+            two = ledger.step(step, ranks=2).samples  # each rank's share of each unit, in its reading order
+            unit = recipe.units[recipe.at(step - 1).index]
+            assert sorted(two.reshape(-1).tolist()) == sorted(ids) and two.shape == (2, len(ids) // 2), step
+            units = [ids[at:at + unit] for at in range(0, len(ids), unit)]
+            assert [sorted(two[:, k * unit // 2:(k + 1) * unit // 2].reshape(-1).tolist()) for k in range(len(units))] \
+                == [sorted(u) for u in units], step
+    finally:
+        ledger.close()

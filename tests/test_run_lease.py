@@ -86,3 +86,41 @@ def test_a_lease_of_another_machine_that_stops_moving_is_taken_after_three_of_it
     lease, took = take(tmp_path)
     assert 0.3 <= took < 3 and lease.record["host"] != "lost-node"
     lease.release()
+
+
+HOLD = """
+import sys, time
+from tokstream.train.run_lease import RunLease
+from tokstream.train.run_store import LocalRunStore
+lease = RunLease.acquire(LocalRunStore(sys.argv[1]), float(sys.argv[2]))
+print("held", flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def test_a_live_holders_lease_moves_so_a_launch_from_another_host_refuses_it(tmp_path):
+    """Two real holders on two hostnames (the second in a UTS namespace of its own, named other-node): the live one
+    beats, its lease moves, and the launch from the other host refuses in one line instead of taking over a live job.
+    A holder whose beat stood still would lose its run after three intervals."""
+    import sys
+
+    from conftest import ROOT
+
+    if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no UTS namespace here: cannot give a second process another hostname")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path), "1.0", "60"], stdout=subprocess.PIPE,
+                              text=True, env=env)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        held = json.loads((tmp_path / LEASE).read_text())
+        command = [sys.executable, "-c", HOLD, str(tmp_path), "1.0", "0"]
+        launch = subprocess.run(["unshare", "--uts", "sh", "-c", 'hostname other-node && exec "$@"', "sh", *command],
+                                capture_output=True, text=True, env=env, timeout=60)
+        assert launch.returncode == 1 and "held" not in launch.stdout
+        assert (f"is in use by a live job (host {held['host']}, PID {holder.pid}, since {held['since']}; its lease "
+                "moved within 3 s): stop that job first, or point run_dir elsewhere") in launch.stderr
+        assert holder.poll() is None and json.loads((tmp_path / LEASE).read_text())["token"] == held["token"]
+    finally:
+        holder.kill()
+        holder.wait()

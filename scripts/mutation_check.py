@@ -1,0 +1,189 @@
+"""Does the suite catch the bugs it claims to? Applies each of a curated list of one-line mutations, the shape
+a real bug takes, to a scratch copy of the repository, runs the tests that must catch it, and prints a table of
+caught and survived. Run it before resolving an issue that touches a guarantee; every new guarantee adds its
+mutations to MUTATIONS. Not part of CI (minutes per mutation); the last table lives in docs/mutation-check.md.
+
+    ./dev python scripts/mutation_check.py                     # every mutation
+    ./dev python scripts/mutation_check.py --only lease        # those whose name holds "lease"
+    ./dev python scripts/mutation_check.py --write             # also rewrite docs/mutation-check.md
+"""
+
+import argparse
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+REPORT = ROOT / "docs" / "mutation-check.md"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    claim: str  # what the README (or docs/) promises that the mutation breaks
+    path: str  # the file it edits
+    old: str  # text found exactly once in that file
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: files, node ids, -k expressions
+
+
+MUTATIONS = [
+    # Issue 45: the four the suite let through.
+    Mutation("overwrite: a shard-like user file", "--overwrite replaces only a dataset this project wrote",
+             "tokstream/output_guard.py", "bool(_SHARD.fullmatch(parts[1]))", "bool(_SHARD.match(parts[1]))",
+             ("tests/test_converter_safety.py", "-k", "overwrite_refuses")),
+    Mutation("lease: the holder stops beating", "only one live job at a time may write a run_dir",
+             "tokstream/train/run_lease.py", 'self.record["beat"] += 1', "pass",
+             ("tests/test_run_lease.py", "-k", "live_holders")),
+    Mutation("vocabulary: the last id's edge", "a token id past the vocabulary is refused in one line naming the file",
+             "tokstream/split_check.py", "if largest >= vocab_size:", "if largest > vocab_size:",
+             ("tests/test_dataset_checks.py", "tests/test_grain.py", "-k", "last_id or vocab_size or damaged_in_place")),
+    Mutation("verify: the last id's edge", "convert/verify.py checks every token id against the vocabulary",
+             "tokstream/verify.py", "if int(samples.max()) >= metadata.vocab_size:",
+             "if int(samples.max()) > metadata.vocab_size:",
+             ("tests/test_dataset_checks.py", "-k", "vocab_size")),
+    Mutation("ledger: nodes and ranks per node swapped", "the ledger is right on other world sizes and nodes",
+             "tokstream/reader/sample_order.py", "rank_orders(self._loader.dataset, nodes, ranks_per_node, epoch, start)",
+             "rank_orders(self._loader.dataset, ranks_per_node, nodes, epoch, start)",
+             ("tests/test_ledger.py", "-k", "asymmetric")),
+    # The ten the suite caught when the list began (2026-11-27), in the fast tests that catch them now.
+    Mutation("phases: units counted in samples", "each step's samples are a function of the config and the step",
+             "tokstream/train/phases.py", "taken += max(0, end - other.start_step) * (other.global_batch_size // unit)",
+             "taken += max(0, end - other.start_step) * other.global_batch_size",
+             ("tests/test_phases.py", "-k", "units_before_and_the_ledger")),
+    Mutation("ledger: ranks' rows not transposed", "the ledger says which rank read which sample",
+             "tokstream/train/ledger.py", "read.transpose(1, 0, 2).reshape(ranks, -1)", "read.reshape(ranks, -1)",
+             ("tests/test_phases.py", "-k", "units_before_and_the_ledger")),
+    Mutation("documents: a start at the separator itself", "document attention: each token attends to its document",
+             "tokstream/reader/documents.py", "starts[:, 1:] = inputs[:, :-1] == separator_id",
+             "starts[:, 1:] = inputs[:, 1:] == separator_id",
+             ("tests/test_document_attention.py", "-k", "structure or separator")),
+    Mutation("checkpoints: the digest not compared", "a damaged checkpoint is never resumed from",
+             "tokstream/train/checkpoint_files.py", "if file_digest(path) != manifest[HASH]:", "if False:",
+             ("tests/test_checkpoint.py", "-k", "flipped_bytes")),
+    Mutation("relaunch: the shuffle settings free", "a relaunch that would change the sample order is refused",
+             "tokstream/train/resume_policy.py", '"data.shuffle_*": "the sample order would change",', "",
+             ("tests/test_resume_policy.py",)),
+    Mutation("mixtures: rounding towards the smallest remainder", "each source gets its weight's share of an epoch",
+             "tokstream/reader/mixture.py", "key=lambda i: (-(shares[i] - counts[i]), i))",
+             "key=lambda i: (shares[i] - counts[i], i))",
+             ("tests/test_mixtures.py", "-k", "share_of_an_epoch or realised_proportions")),
+    Mutation("converters: no separator after a chunk's last document", "the token stream is nanoGPT's, whatever the chunks",
+             "tokstream/tokenize_docs.py", "tokens = separator + encoded if before else encoded + separator",
+             "tokens = separator + encoded if before else encoded + (separator if n < len(texts) - 1 else [])",
+             ("tests/test_chunked_reading.py", "-k", "does_not_depend_on_chunks")),
+    Mutation("reader: a stale resume position used", "a state saved by rank 0 after another rank closed is the whole "
+             "position", "tokstream/reader/streaming_door/streaming_internals.py",
+             'if kept is None or pid != os.getpid() or kept["epoch"] < epoch:', "if kept is None or pid != os.getpid():",
+             ("tests/test_reader_api.py", "-k", "rank_0_saves")),
+    Mutation("lease: patience of one beat", "a relaunch takes over a lost node's lease after three of its beats",
+             "tokstream/train/run_lease.py", "STALE_BEATS = 3", "STALE_BEATS = 1",
+             ("tests/test_run_lease.py", "-k", "three_of_its_beats")),
+    # Issue 40: what cannot be honoured is refused.
+    Mutation("phases: data not opened again at the boundary", "a phase reads the data the run recorded, or the run "
+             "stops", "tokstream/train/trainer.py", "if run.phase is not None:  # opened at start-up", "if False:",
+             ("tests/test_phases.py", "-k", "replaced_mid_run")),
+    Mutation("phases: another tokenizer accepted", "every phase's data shares phase 0's tokenizer and separator",
+             "tokstream/train/phases.py", "difference = dataset.token_difference(datasets[0])", "difference = None",
+             ("tests/test_phases.py", "-k", "mean_other_things")),
+    Mutation("reader state: weights left out", "a reader state of another order is refused",
+             "tokstream/reader/batches.py", '"weights": [[source.weight, source.value] for source in dataset.sources],',
+             '"weights": [],', ("tests/test_reader_api.py", "-k", "another_order")),
+    Mutation("settings: ranges unchecked", "a setting out of its range is refused when the config is made",
+             "tokstream/train/config.py", "above = value >= lowest if inclusive else value > lowest", "above = True",
+             ("tests/test_dataset_checks.py", "-k", "range or zero_interval")),
+    Mutation("metrics: a line that is a list", "a damaged metrics line blocks neither the relaunch nor the ledger",
+             "tokstream/train/metrics.py", "if not isinstance(record, dict):", "if False:",
+             ("tests/test_ledger.py", "-k", "damaged_metrics")),
+]
+
+
+def scratch_copy(into: Path) -> Path:
+    """The working tree's tracked and untracked (not ignored) files, beside a link to ../shared as the tests expect."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    copy = into / ROOT.name
+    for relative in filter(None, listed):
+        source = ROOT / relative
+        if source.is_file():
+            (copy / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, copy / relative)
+    (into / "shared").symlink_to(SHARED)
+    return copy
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, float]:
+    began = time.monotonic()
+    env = dict(os.environ, PYTHONPATH=str(copy))
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *tests],
+                              cwd=copy, env=env, capture_output=True, timeout=timeout)
+        status = done.returncode
+    except subprocess.TimeoutExpired:
+        status = -1
+    return status, time.monotonic() - began
+
+
+def check(mutation: Mutation, copy: Path, timeout: float) -> tuple[str, float]:
+    path = copy / mutation.path
+    text = path.read_text()
+    found = text.count(mutation.old)
+    if found != 1:
+        return f"not applied ({found} matches: the code moved; update the mutation)", 0.0
+    path.write_text(text.replace(mutation.old, mutation.new))
+    try:
+        status, seconds = run_tests(copy, mutation.tests, timeout)
+    finally:
+        path.write_text(text)
+    # pytest: 1 a test failed; 5 none was collected, 2-4 an error of its own: neither is a catch.
+    verdict = {0: "SURVIVED", 1: "caught", -1: "timed out"}.get(status, f"not run (pytest status {status})")
+    return verdict, seconds
+
+
+def table(rows: list[tuple[Mutation, str, float]]) -> str:
+    lines = ["| mutation | claim it breaks | tests | result | s |", "| --- | --- | --- | --- | --- |"]
+    for mutation, verdict, seconds in rows:
+        lines.append(f"| {mutation.name} (`{mutation.path}`) | {mutation.claim} | `{' '.join(mutation.tests)}` | "
+                     f"{verdict} | {seconds:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", help="run the mutations whose name holds this text")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per mutation's tests")
+    parser.add_argument("--write", action="store_true", help=f"write the table to {REPORT.relative_to(ROOT)}")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.only or args.only in m.name]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mutation-check-") as scratch:
+        copy = scratch_copy(Path(scratch))
+        for tests in dict.fromkeys(m.tests for m in chosen):
+            baseline, _ = run_tests(copy, tests, args.timeout)
+            if baseline != 0:  # a test that fails unmutated proves nothing about a mutation
+                print(f"{' '.join(tests)} fails without any mutation (pytest status {baseline}): fix it first",
+                      file=sys.stderr)
+                return 2
+        for mutation in chosen:
+            verdict, seconds = check(mutation, copy, args.timeout)
+            rows.append((mutation, verdict, seconds))
+            print(f"{verdict:>9}  {mutation.name}  ({seconds:.0f} s)", flush=True)
+    print(table(rows))
+    if args.write:
+        caught = sum(verdict == "caught" for _, verdict, _ in rows)
+        REPORT.write_text(f"# Mutation check\n\n`scripts/mutation_check.py` on {datetime.date.today()}: {caught} of "
+                          f"{len(rows)} mutations caught. Each is one line changed in a scratch copy, and the tests "
+                          "named beside it run on that copy; a mutation that survives is a guarantee the suite does "
+                          "not hold.\n\n" + table(rows) + "\n")
+    return 0 if all(verdict == "caught" for _, verdict, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
