@@ -60,9 +60,9 @@ def main() -> None:
     parser.add_argument("--corpus", default=str(SHARED_CORPUS))
     args = parser.parse_args()
 
-    from tokstream.options import ConversionOptions
-    from tokstream.sources import open_source
-    from tokstream.text_one_pass import convert_documents
+    from tokstream.convert.options import ConversionOptions
+    from tokstream.convert.sources import open_source
+    from tokstream.convert.text_one_pass import convert_documents
     from tokstream.tokenizer import load_tokenizer
 
     steps = 4 * args.cycles + 6  # a cycle advances the run by 3 steps at most

@@ -56,10 +56,10 @@ LITDATA_CHUNK_BYTES = "64MB"  # the chunk size litData's README recommends (and 
 def build_dataset(out: Path, million_tokens: int) -> None:
     from bin_speed import build_bin
 
-    from tokstream.options import ConversionOptions
-    from tokstream.token_conversion import Vocabulary, convert_token_files
+    from tokstream.convert.options import ConversionOptions
+    from tokstream.convert.token_conversion import Vocabulary, convert_token_files
+    from tokstream.convert.token_files import open_token_file
     from tokstream.tokenizer import load_tokenizer
-    from tokstream.token_files import open_token_file
 
     build_bin(out.with_suffix(".bin"), million_tokens)
     convert_token_files({"train": [open_token_file(out.with_suffix(".bin"))]}, str(out),
@@ -82,8 +82,8 @@ def timed_batches(batches, count: int) -> float:
 def project_loader(remote: str, local: str | None, workers: int, reuse_slots: bool = True):
     """Training's loader: DataConfig's defaults, and worker transfers through the shared ring
     (reuse_slots, as TrainBatches has it); reuse_slots=False: pickled through the pipe instead."""
-    from tokstream.reader.config import DataConfig
     from tokstream.reader.batches import make_loader
+    from tokstream.reader.config import DataConfig
 
     config = DataConfig(remote=remote, local=local, num_workers=workers)  # training's defaults
     return make_loader(config, "train", BATCH, shuffle=True, pin_memory=False, reuse_slots=reuse_slots)
@@ -91,7 +91,7 @@ def project_loader(remote: str, local: str | None, workers: int, reuse_slots: bo
 
 def litdata_samples(root: str):
     """litdata.optimize's fn (module level: its workers are spawned): the split's samples, in order."""
-    from tokstream.verify import iter_split_samples
+    from tokstream.convert.verify import iter_split_samples
 
     for array in iter_split_samples(Path(root), "train", []):
         for sample in array:
@@ -194,7 +194,7 @@ def check_same_samples(root: Path, optimized: Path | None) -> None:
     """One epoch of litData (each worker count timed) must give the dataset's samples, each as often as the
     dataset has it; the project's reader the same, less the partial last batch it leaves out. Stops the
     bench on a mismatch: a rate over other samples compares nothing."""
-    from tokstream.verify import iter_split_samples
+    from tokstream.convert.verify import iter_split_samples
 
     problems: list[str] = []
     dataset = sample_counts(iter_split_samples(root, "train", problems))

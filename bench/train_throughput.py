@@ -49,9 +49,9 @@ GPT2_VOCAB, GPT2_EOT = 50257, 50256
 def build_token_files(workdir: Path, million_tokens: int, block_size: int, doc_length: int = 0) -> tuple[Path, Path]:
     """Random GPT-2 token ids (the loop does not care what they say) as train.bin and as MDS; with `doc_length`,
     a separator ends a document every doc_length tokens on average."""
-    from tokstream.options import ConversionOptions
-    from tokstream.token_conversion import Vocabulary, convert_token_files
-    from tokstream.token_files import open_token_file
+    from tokstream.convert.options import ConversionOptions
+    from tokstream.convert.token_conversion import Vocabulary, convert_token_files
+    from tokstream.convert.token_files import open_token_file
 
     bin_path = workdir / "train.bin"
     rng = np.random.default_rng(0)

@@ -17,7 +17,6 @@ range and the document separator come from --tokenizer (default gpt2), or for fi
 is at hand by name only, from --vocab-size and --separator-id.
 """
 
-import argparse
 import glob
 import sys
 import time
@@ -25,13 +24,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
-from tokstream.cli import add_output_arguments, output_options, summary  # noqa: E402
+from tokstream.convert.cli import (add_output_arguments, add_vocabulary_arguments, output_options, summary,  # noqa: E402
+                                   token_vocabulary)
+from tokstream.convert.output_guard import check_output_location, check_s3_output, conversion_lock  # noqa: E402
+from tokstream.convert.remote_token_files import expand_url, is_url  # noqa: E402
+from tokstream.convert.token_conversion import convert_token_files  # noqa: E402
+from tokstream.convert.token_files import FORMATS, open_token_file  # noqa: E402
 from tokstream.errors import CommandLine, UserError, run_cli  # noqa: E402
-from tokstream.output_guard import check_output_location, check_s3_output, conversion_lock  # noqa: E402
-from tokstream.remote_token_files import expand_url, is_url  # noqa: E402
-from tokstream.token_conversion import Vocabulary, convert_token_files  # noqa: E402
-from tokstream.token_files import FORMATS, LLMC_LLAMA3_MAGIC, open_token_file  # noqa: E402
-from tokstream.tokenizer import POSITIONS, load_tokenizer  # noqa: E402
 
 
 def open_inputs(patterns: list[str], fmt: str) -> list:
@@ -48,23 +47,6 @@ def open_inputs(patterns: list[str], fmt: str) -> list:
     return files
 
 
-def vocabulary(args: argparse.Namespace, files: list) -> Vocabulary:
-    """From --vocab-size/--separator-id when given, else from --tokenizer."""
-    if args.vocab_size is not None or args.separator_id is not None:
-        if args.vocab_size is None or args.separator_id is None:
-            raise UserError("--vocab-size and --separator-id go together: give both")
-        if args.tokenizer != "gpt2":
-            raise UserError("--tokenizer and --vocab-size both describe the ids: give one")
-        return Vocabulary(f"vocab-{args.vocab_size}", None, args.vocab_size, args.separator_id,
-                          args.separator_position)
-    llama3 = next((f for f in files if f.is_llama3_llmc), None)
-    if llama3 is not None and args.tokenizer == "gpt2":
-        raise UserError(f"{llama3.path} is an llm.c Llama-3 shard (magic {LLMC_LLAMA3_MAGIC}, uint32 ids): pass "
-                        "--tokenizer with Llama-3's tokenizer.json (or hub repository), or --vocab-size 128256 "
-                        "--separator-id 128000 --separator-position before")
-    return Vocabulary.of(load_tokenizer(args.tokenizer, args.ranks_file, args.separator))
-
-
 def main() -> None:
     parser = CommandLine(__doc__)
     parser.add_argument("inputs", nargs="+", help="token files or quoted globs, concatenated in this order")
@@ -72,10 +54,7 @@ def main() -> None:
     parser.add_argument("--val", nargs="+", default=None, metavar="FILE",
                         help="token files for the val split, written in the same run")
     parser.add_argument("--format", choices=FORMATS, default="auto", help="input format (default: detect)")
-    parser.add_argument("--vocab-size", type=int, default=None, help="ids are below this (instead of --tokenizer)")
-    parser.add_argument("--separator-id", type=int, default=None, help="the separator id (with --vocab-size)")
-    parser.add_argument("--separator-position", choices=POSITIONS, default="after",
-                        help="separator after each document (end-of-text, default) or before it (begin-of-text)")
+    add_vocabulary_arguments(parser)
     add_output_arguments(parser)
     args = parser.parse_args()
 
@@ -90,7 +69,7 @@ def main() -> None:
     first_files = [split_files[0] for split_files in files.values()]  # a URL's header is a request: one per split
     check_output_location(args.out, [f.path for split_files in files.values() for f in split_files])
     with conversion_lock(args.out, args.staging):
-        metadata = convert_token_files(files, args.out, vocabulary(args, first_files), options)
+        metadata = convert_token_files(files, args.out, token_vocabulary(args, first_files), options)
     print(summary(metadata, args.out, time.monotonic() - started))
 
 

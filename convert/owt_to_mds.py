@@ -15,10 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
-from tokstream.cleaning import Cleaning  # noqa: E402
-from tokstream.cli import add_parts_arguments, add_text_arguments, run_text_conversion  # noqa: E402
+from tokstream.convert.cleaning import Cleaning  # noqa: E402
+from tokstream.convert.cli import add_parts_arguments, add_text_arguments, run_text_conversion  # noqa: E402
+from tokstream.convert.sources import TXT_DOC_MODES  # noqa: E402
 from tokstream.errors import CommandLine, run_cli  # noqa: E402
-from tokstream.sources import TXT_DOC_MODES  # noqa: E402
 
 DEFAULT_DATASET = "Skylion007/openwebtext"
 # Script-based hub datasets such as OpenWebText load in recent `datasets` only through the

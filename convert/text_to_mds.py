@@ -11,11 +11,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
-from tokstream.cleaning import NORMALIZE_MODES, Cleaning  # noqa: E402
-from tokstream.cli import add_parts_arguments, add_text_arguments, run_text_conversion  # noqa: E402
+from tokstream.convert.cleaning import NORMALIZE_MODES  # noqa: E402
+from tokstream.convert.cli import add_parts_arguments, add_text_arguments, run_text_conversion, text_cleaning  # noqa: E402
+from tokstream.convert.sources import TXT_DOC_MODES  # noqa: E402
 from tokstream.errors import CommandLine, run_cli  # noqa: E402
-from tokstream.format import parse_size  # noqa: E402
-from tokstream.sources import TXT_DOC_MODES  # noqa: E402
 
 
 def main() -> None:
@@ -32,8 +31,7 @@ def main() -> None:
     add_parts_arguments(parser)
     args = parser.parse_args()
 
-    cleaning = Cleaning(normalize=args.normalize, drop_empty=True,
-                        dedup_memory=parse_size(args.dedup_memory) if args.dedup else None)
+    cleaning = text_cleaning(args.normalize, args.dedup, args.dedup_memory)
     print(run_text_conversion(args, args.inputs, {"text_column": args.text_column, "txt_docs": args.doc_per},
                               cleaning))
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
+from tokstream.convert.verify import decode_sample, verify_dataset  # noqa: E402
 from tokstream.errors import CommandLine, UserError, run_cli  # noqa: E402
-from tokstream.verify import read_sample, verify_dataset  # noqa: E402
 
 
 def main() -> None:
@@ -35,10 +35,7 @@ def main() -> None:
         print(f"  {name:5s} {stats.documents:>10,} docs {stats.tokens:>14,} tokens {split.samples:>11,} samples "
               f"{split.shards:>5} shards {split.bytes / 1e6:>9.1f} MB")
     if args.decode is not None:
-        from tokstream.tokenizer import dataset_tokenizer
-
-        tokens = read_sample(args.root, args.split, args.decode)
-        text = dataset_tokenizer(meta, args.root, args.tokenizer, args.ranks_file).decode(tokens.tolist())
+        tokens, text = decode_sample(args.root, args.split, args.decode, meta, args.tokenizer, args.ranks_file)
         print(f"--- {args.split} sample {args.decode} ({len(tokens)} tokens) ---\n{text}")
     for problem in report.problems:
         print(f"PROBLEM {problem}", file=sys.stderr)

@@ -37,7 +37,7 @@ class Mutation:
 MUTATIONS = [
     # Issue 45: the four the suite let through.
     Mutation("overwrite: a shard-like user file", "--overwrite replaces only a dataset this project wrote",
-             "tokstream/output_guard.py", "bool(_SHARD.fullmatch(parts[1]))", "bool(_SHARD.match(parts[1]))",
+             "tokstream/convert/output_guard.py", "bool(_SHARD.fullmatch(parts[1]))", "bool(_SHARD.match(parts[1]))",
              ("tests/test_converter_safety.py", "-k", "overwrite_refuses")),
     Mutation("lease: the holder stops beating", "only one live job at a time may write a run_dir",
              "tokstream/train/run_lease.py", 'self.record["beat"] += 1', "pass",
@@ -46,7 +46,7 @@ MUTATIONS = [
              "tokstream/split_check.py", "if largest >= vocab_size:", "if largest > vocab_size:",
              ("tests/test_dataset_checks.py", "tests/test_grain.py", "-k", "last_id or vocab_size or damaged_in_place")),
     Mutation("verify: the last id's edge", "convert/verify.py checks every token id against the vocabulary",
-             "tokstream/verify.py", "if int(samples.max()) >= metadata.vocab_size:",
+             "tokstream/convert/verify.py", "if int(samples.max()) >= metadata.vocab_size:",
              "if int(samples.max()) > metadata.vocab_size:",
              ("tests/test_dataset_checks.py", "-k", "vocab_size")),
     Mutation("ledger: nodes and ranks per node swapped", "the ledger is right on other world sizes and nodes",
@@ -76,7 +76,7 @@ MUTATIONS = [
              "key=lambda i: (shares[i] - counts[i], i))",
              ("tests/test_mixtures.py", "-k", "share_of_an_epoch or realised_proportions")),
     Mutation("converters: no separator after a chunk's last document", "the token stream is nanoGPT's, whatever the chunks",
-             "tokstream/tokenize_docs.py", "tokens = separator + encoded if before else encoded + separator",
+             "tokstream/convert/tokenize_docs.py", "tokens = separator + encoded if before else encoded + separator",
              "tokens = separator + encoded if before else encoded + (separator if n < len(texts) - 1 else [])",
              ("tests/test_chunked_reading.py", "-k", "does_not_depend_on_chunks")),
     Mutation("reader: a stale resume position used", "a state saved by rank 0 after another rank closed is the whole "

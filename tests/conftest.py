@@ -149,10 +149,10 @@ def expected_samples(stream, block_size: int):
 
 
 def split_samples(root, split: str = "train"):
-    """Every sample of a split, read straight from its shards (checked by tokstream.verify)."""
+    """Every sample of a split, read straight from its shards (checked by tokstream.convert.verify)."""
     import numpy as np
 
-    from tokstream.verify import iter_split_samples
+    from tokstream.convert.verify import iter_split_samples
 
     problems: list[str] = []
     arrays = list(iter_split_samples(root, split, problems))
@@ -172,7 +172,7 @@ def kill_then_resume(script: str, args: list, out: Path, sig: int, between=lambd
     import signal
     import time
 
-    from tokstream.resume import STATE_FILE
+    from tokstream.convert.resume import STATE_FILE
     from tokstream.testing.processes import descendants, worker_pids
 
     cmd = [sys.executable, str(ROOT / script), *map(str, args), "--out", str(out), "--state-interval", "0"]
@@ -205,7 +205,7 @@ def saved_state_header(partial: Path) -> dict:
     """The header of the state a one-pass text conversion saved in `partial`."""
     import numpy as np
 
-    from tokstream.resume import STATE_FILE
+    from tokstream.convert.resume import STATE_FILE
 
     with np.load(partial / STATE_FILE) as saved:
         return json.loads(saved["header"].tobytes())
@@ -228,9 +228,9 @@ def dataset(tmp_path_factory) -> Path:
 
 def plays(tmp: Path, shard_size: str) -> Path:
     """The plays' paragraphs as a dataset of 64-token blocks (5 % val) in shards of `shard_size`, under `tmp`."""
-    from tokstream.options import ConversionOptions
-    from tokstream.sources import open_source
-    from tokstream.text_one_pass import convert_documents
+    from tokstream.convert.options import ConversionOptions
+    from tokstream.convert.sources import open_source
+    from tokstream.convert.text_one_pass import convert_documents
     from tokstream.tokenizer import load_tokenizer
 
     corpus = tmp / "plays.txt"

@@ -135,10 +135,10 @@ def test_token_shards_behind_a_url_are_fetched_one_at_a_time_and_resume_without_
     through a URL pattern: file://, the same fsspec path as hf:// without a network. The output equals
     the local files' conversion; at most two shards are staged at any time; a conversion interrupted at
     the third fetch resumes without fetching the shards its verified output already holds."""
-    from tokstream import remote_token_files
-    from tokstream.options import ConversionOptions
-    from tokstream.token_conversion import Vocabulary, convert_token_files
-    from tokstream.token_files import open_token_file
+    from tokstream.convert import remote_token_files
+    from tokstream.convert.options import ConversionOptions
+    from tokstream.convert.token_conversion import Vocabulary, convert_token_files
+    from tokstream.convert.token_files import open_token_file
     from tokstream.tokenizer import load_tokenizer
 
     hub = tmp_path / "hub"

@@ -1,4 +1,4 @@
-"""Reading in chunks (tokstream/sources.py): the documents do not depend on where chunks are cut or how
+"""Reading in chunks (tokstream/convert/sources.py): the documents do not depend on where chunks are cut or how
 their boundaries are searched, and every chunk's end is a position the source resumes at, for every
 kind of local input."""
 
@@ -9,12 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import shakespeare_paragraphs, tree_bytes, wikitext_articles
 
-import tokstream.sources as sources
-from tokstream.cleaning import Cleaning
+import tokstream.convert.sources as sources
+from tokstream.convert.cleaning import Cleaning
+from tokstream.convert.options import ConversionOptions
+from tokstream.convert.sources import SourceStats, open_source
+from tokstream.convert.text_one_pass import convert_documents
 from tokstream.errors import UserError
-from tokstream.options import ConversionOptions
-from tokstream.sources import SourceStats, open_source
-from tokstream.text_one_pass import convert_documents
 
 
 def inputs(tmp_path):

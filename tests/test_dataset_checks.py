@@ -73,9 +73,9 @@ def test_an_index_claiming_more_samples_than_the_shard_holds_is_refused_at_start
 
 def test_a_compressed_shard_claiming_more_samples_is_refused_when_first_read(tmp_path):
     """A compressed shard's header is read once streaming has decompressed it: when the reader maps it."""
-    from tokstream.options import ConversionOptions
-    from tokstream.token_conversion import Vocabulary, convert_token_files
-    from tokstream.token_files import open_token_file
+    from tokstream.convert.options import ConversionOptions
+    from tokstream.convert.token_conversion import Vocabulary, convert_token_files
+    from tokstream.convert.token_files import open_token_file
     from tokstream.tokenizer import load_tokenizer
 
     tokens = tmp_path / "train.bin"

@@ -18,12 +18,12 @@ import pytest
 import torch
 from conftest import shakespeare_paragraphs
 
-from tokstream.cleaning import Cleaning
-from tokstream.options import ConversionOptions
-from tokstream.text_conversion import convert_text
-from tokstream.reader.config import DataConfig
-from tokstream.reader.batches import make_loader, to_device
+from tokstream.convert.cleaning import Cleaning
+from tokstream.convert.options import ConversionOptions
+from tokstream.convert.text_conversion import convert_text
 from tokstream.reader import token_loader
+from tokstream.reader.batches import make_loader, to_device
+from tokstream.reader.config import DataConfig
 
 BATCH = 8
 
@@ -349,8 +349,8 @@ def test_tokens_reach_the_model_as_exact_int64_inputs_and_targets(dtype):
 WORKERS_SCRIPT = r"""
 import gc, os, sys, time
 from pathlib import Path
-from tokstream.reader.config import DataConfig
 from tokstream.reader.batches import make_loader
+from tokstream.reader.config import DataConfig
 from tokstream.testing.processes import descendants
 
 def workers() -> list[int]:  # forked: the same command line as this process

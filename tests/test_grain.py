@@ -29,9 +29,9 @@ def known_stream(seed: int = 0) -> np.ndarray:
 
 def convert(root: Path, seed: int = 0, compression: str | None = None) -> Path:
     """SAMPLES samples of BLOCK + 1 tokens from known_stream, in shards of about 10 samples, no val split."""
-    from tokstream.options import ConversionOptions
-    from tokstream.token_conversion import Vocabulary, convert_token_files
-    from tokstream.token_files import open_token_file
+    from tokstream.convert.options import ConversionOptions
+    from tokstream.convert.token_conversion import Vocabulary, convert_token_files
+    from tokstream.convert.token_files import open_token_file
     from tokstream.tokenizer import load_tokenizer
 
     root.mkdir(parents=True)

@@ -113,6 +113,51 @@ def test_the_trainer_reads_data_through_the_public_reader_api_alone():
                 assert not (node.module or "").startswith("streaming"), (path, ast.unparse(node))
 
 
+def imported_modules(path: Path) -> list[str]:
+    """Every module `path` imports, by its full name (`from tokstream import x` is tokstream.x)."""
+    modules = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules += ([f"{node.module}.{alias.name}" for alias in node.names] if node.module == "tokstream"
+                        else [node.module])
+    return modules
+
+
+def within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == package or module.startswith(package + ".") for package in packages)
+
+
+# What each command folder may import of the project: its wing's core and the one-line errors. train/main.py also
+# switches numpy's sort kernel (cpu_dispatch), which must come before anything imports numpy.
+COMMAND_IMPORTS = {"convert": ("tokstream.convert", "tokstream.errors"),
+                   "train": ("tokstream.train", "tokstream.errors")}
+BEFORE_NUMPY = {("train/main.py", "tokstream.cpu_dispatch")}
+
+
+def test_each_command_folder_stands_over_the_core_of_its_own_name():
+    for folder, allowed in COMMAND_IMPORTS.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            for module in imported_modules(path):
+                if module.startswith("tokstream") and (str(path.relative_to(ROOT)), module) not in BEFORE_NUMPY:
+                    assert within(module, allowed), (str(path.relative_to(ROOT)), module)
+
+
+def test_the_wings_stand_apart_and_what_they_share_says_who_uses_it():
+    """The converters' core imports neither the reader nor the trainer, nor they it; each module at tokstream/'s root,
+    what the wings share, begins by saying who uses it."""
+    wings = {"convert": ("tokstream.reader", "tokstream.train"), "reader": ("tokstream.convert", "tokstream.train"),
+             "train": ("tokstream.convert",)}
+    for wing, others in wings.items():
+        for path in sorted((ROOT / "tokstream" / wing).rglob("*.py")):
+            assert not [m for m in imported_modules(path) if within(m, others)], path.relative_to(ROOT)
+    shared = sorted(path for path in (ROOT / "tokstream").glob("*.py") if path.name != "__init__.py")
+    assert {path.stem for path in shared} >= {"errors", "format", "object_store", "split_check", "tokenizer"}
+    for path in shared:
+        assert path.read_text().startswith(('"""Shared', '"""Used by')), path.relative_to(ROOT)
+
+
 def test_only_scripts_edit_sys_path_and_only_to_put_the_repository_root_first():
     edits = {path: [line.strip() for line in path.read_text().splitlines() if PATH_EDIT.search(line)]
              for path in python_files() if path != ROOT / "tests/test_layout.py"}

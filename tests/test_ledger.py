@@ -81,9 +81,9 @@ def run(datasets, tmp_path_factory) -> Path:
 
 
 def test_the_ledger_gives_each_steps_samples_with_their_text(run, datasets):
-    from tokstream.train.metrics import read_records
+    from tokstream.convert.verify import read_sample
     from tokstream.tokenizer import load_tokenizer
-    from tokstream.verify import read_sample
+    from tokstream.train.metrics import read_records
 
     traced = read_records(run)
     answered = json_lines(ledger(run, "--steps", "1:12", "--json"))
@@ -243,7 +243,7 @@ def test_each_rank_of_asymmetric_layouts_reads_what_streamings_own_partition_dea
     """2 nodes x 4 ranks and 4 x 2, rank by rank and in order (not sorted): SampleOrder against stock streaming's
     get_partitions over the epoch's order, from the epoch's start and from step 2. 1 x N and 2 x 2 give the same
     answer with nodes and ranks per node swapped; these do not."""
-    from streaming.base.partition import get_partitions
+    from tokstream.reader.streaming_door.streaming_internals import get_partitions  # stock streaming's own
 
     order = SampleOrder(open_dataset(DataConfig(remote=str(datasets["a"]))), 8)
     try:

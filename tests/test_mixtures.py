@@ -11,8 +11,8 @@ from test_training import tiny_splits
 
 from tokstream.errors import UserError
 from tokstream.reader.batch_plan import BatchPlan
-from tokstream.train.config import load_config
 from tokstream.reader.mixture import apportion, samples_per_epoch, sources
+from tokstream.train.config import load_config
 
 
 def mixture_config(*overrides: str):
@@ -178,11 +178,11 @@ def test_a_relaunch_may_move_or_rename_a_source_but_not_reweigh_or_add_one():
 
 def test_the_example_config_mixes_two_real_corpora(dataset, tmp_path):
     """configs/tiny-mixture.yaml, pointed at the training tests' plays and at WikiText-2 from ../shared."""
-    from tokstream.options import ConversionOptions
-    from tokstream.sources import open_source
-    from tokstream.text_one_pass import convert_documents
-    from tokstream.tokenizer import load_tokenizer
+    from tokstream.convert.options import ConversionOptions
+    from tokstream.convert.sources import open_source
+    from tokstream.convert.text_one_pass import convert_documents
     from tokstream.reader import open_dataset
+    from tokstream.tokenizer import load_tokenizer
 
     wiki = tmp_path / "wiki.txt"
     wiki.write_text((SHARED / "corpora" / "wikitext2_valid.txt").read_text()[:150_000])

@@ -17,10 +17,10 @@ from conftest import (ROOT, expected_samples, kill_then_resume, nanogpt_stream, 
                       shakespeare_paragraphs,
                       tagged_lines, tree_bytes, write_jsonl)
 
+from tokstream.convert.options import ConversionOptions
+from tokstream.convert.tokenize_docs import is_val_document
 from tokstream.errors import UserError
-from tokstream.options import ConversionOptions
 from tokstream.format import read_metadata
-from tokstream.tokenize_docs import is_val_document
 
 
 def stock_samples(root: Path, split: str) -> np.ndarray:
@@ -33,8 +33,8 @@ def stock_samples(root: Path, split: str) -> np.ndarray:
 
 def convert(inputs: list, out: Path, **options) -> None:
     """What `owt_to_mds.py` does, in-process."""
-    from tokstream.cleaning import Cleaning
-    from tokstream.text_conversion import convert_text
+    from tokstream.convert.cleaning import Cleaning
+    from tokstream.convert.text_conversion import convert_text
     from tokstream.tokenizer import load_tokenizer
 
     options.setdefault("progress", False)
@@ -270,8 +270,8 @@ def hub_docs(copies: int) -> list[str]:
 
 def convert_stream(out: Path, data_files: str, split: str = "train", max_docs: int | None = None, **parts):
     """What owt_to_mds.py --dataset parquet --data-files ... runs, in this process (a thin CLI over it)."""
-    from tokstream.cleaning import Cleaning
-    from tokstream.text_conversion import convert_text
+    from tokstream.convert.cleaning import Cleaning
+    from tokstream.convert.text_conversion import convert_text
     from tokstream.tokenizer import load_tokenizer
 
     options = ConversionOptions(block_size=64, val_fraction=0.1, num_workers=1, progress=False, max_docs=max_docs)
@@ -284,7 +284,7 @@ def test_a_killed_datasets_stream_continues_where_it_stood_reading_nothing_twice
     same path): after a SIGKILL past the first file, the rerun continues the stream from the saved position
     and writes the bytes of an uninterrupted run, --max-docs counted from the start. The first file is
     rewritten with other text before the rerun: a rerun that read it again would write other tokens."""
-    from tokstream.resume import STATE_FILE
+    from tokstream.convert.resume import STATE_FILE
 
     docs = hub_docs(3)  # ~3.4 MB of text: 1 MB batches, so states are saved within and after the first file
     pattern = str(tmp_path / "data" / "*.parquet")

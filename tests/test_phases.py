@@ -485,9 +485,9 @@ def test_evaluation_reads_the_current_phases_val_split_with_the_models_attention
     not the other phase's split and not causal attention."""
     from conftest import wikitext_articles
 
-    from tokstream.options import ConversionOptions
-    from tokstream.sources import open_source
-    from tokstream.text_one_pass import convert_documents
+    from tokstream.convert.options import ConversionOptions
+    from tokstream.convert.sources import open_source
+    from tokstream.convert.text_one_pass import convert_documents
     from tokstream.tokenizer import load_tokenizer
 
     (tmp_path / "wiki.txt").write_text("".join(wikitext_articles()[:40]))

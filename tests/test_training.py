@@ -134,8 +134,8 @@ def test_start_removes_only_unmapped_blocks_of_its_own_dataset(dataset, tmp_path
     """What training runs at start (that it does, through torchrun after a hard kill: test_interruptions.py)
     unlinks the stale streaming blocks of its own cache directories. Another job reading the same
     dataset keeps its live blocks; an unmapped block of another dataset stays too."""
-    from tokstream.reader.config import DataConfig
     from tokstream.reader import open_dataset
+    from tokstream.reader.config import DataConfig
     from tokstream.reader.stale_shm import OWNER_MARK, SHM_DIR, remove_stale_shared_memory
     from tokstream.reader.streaming_door.streaming_internals import LOCALS_BLOCK, locals_block
 
@@ -167,10 +167,10 @@ def tiny_splits(root: Path, train_samples: int, val_samples: int, seed: int = 0,
     tokens."""
     import numpy as np
 
-    from tokstream.options import ConversionOptions
-    from tokstream.token_conversion import Vocabulary, convert_token_files
+    from tokstream.convert.options import ConversionOptions
+    from tokstream.convert.token_conversion import Vocabulary, convert_token_files
+    from tokstream.convert.token_files import open_token_file
     from tokstream.tokenizer import load_tokenizer
-    from tokstream.token_files import open_token_file
 
     files = {}
     for split, samples in (("train", train_samples), ("val", val_samples)):
@@ -184,9 +184,9 @@ def tiny_splits(root: Path, train_samples: int, val_samples: int, seed: int = 0,
 
 def test_a_dataset_that_does_not_fit_the_run_is_refused_in_one_line(dataset, tmp_path):
     """Checked at start-up, before anything is built (through torchrun: the damaged-dataset test)."""
+    from tokstream.reader import open_dataset
     from tokstream.reader.batch_plan import BatchPlan
     from tokstream.reader.config import DataConfig
-    from tokstream.reader import open_dataset
     from tokstream.reader.dataset import val_split_holds_a_batch
 
     def refusal(check) -> str:
@@ -217,8 +217,8 @@ def test_an_epoch_is_whole_steps_that_divide_over_the_canonical_nodes():
 
 def test_a_damaged_dataset_is_named_in_one_line_before_training_starts(tmp_path):
     """A cut or missing shard, a missing index.json, a metadata.json without its splits."""
-    from tokstream.reader.config import DataConfig
     from tokstream.reader import open_dataset
+    from tokstream.reader.config import DataConfig
 
     data = tiny_splits(tmp_path, 40, 8)
     shard = sorted((data / "train").glob("shard.*"))[0]

@@ -1,4 +1,4 @@
-"""The errors a user should see as a single line, never a traceback, and the wrapper that prints them."""
+"""Shared by every wing and command: the errors a user sees as one line, never a traceback, and their printer."""
 
 import argparse
 import errno

@@ -1,4 +1,4 @@
-"""The on-disk format, owned here and nowhere else.
+"""Shared: the on-disk format, owned here and nowhere else (converters write it; the reader, Grain, verify read).
 
 A dataset root holds one plain MDS dataset per split plus a metadata record:
 

@@ -1,4 +1,5 @@
-"""Datasets in S3 (or any S3-compatible store): checked before work, uploaded as written, index last.
+"""Shared by the converters (upload), the reader (download) and the trainer's run store: datasets in S3
+(or any S3-compatible store): checked before work, uploaded as written, index last.
 
 Credentials and endpoints come the AWS way: environment, profiles, instance roles, and
 `S3_ENDPOINT_URL` for MinIO, R2, Ceph... (the variable streaming itself reads). Transient errors

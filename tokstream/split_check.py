@@ -1,6 +1,6 @@
-"""A converted split checked against its metadata and its files before anything reads it: the reader
-(tokstream.reader) and the Grain source (grain_source.py) refuse the same damage in the same words, and
-know a split by the same identity. Needs neither streaming nor torch."""
+"""Shared by the reader and the Grain source: a converted split checked against its metadata and its files before
+anything reads it. Both refuse the same damage in the same words and know a split by the same identity. Needs
+neither streaming nor torch."""
 
 import hashlib
 import json

@@ -1,4 +1,5 @@
-"""Tokenizers: a tiktoken encoding, or a Hugging Face `tokenizers` tokenizer.json (file or hub name).
+"""Shared by the converters (encode), verify and the ledger (decode): a tiktoken encoding, or a Hugging Face
+`tokenizers` tokenizer.json (file or hub name).
 
 Every tokenizer gives the same facts to the on-disk format: a name, the sha256 of its file (the
 identity a dataset records), the vocabulary size, and the document separator: its id and whether

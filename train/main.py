@@ -26,22 +26,10 @@ def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         sys.exit(0 if len(sys.argv) > 1 else 2)
-    from tokstream.errors import UserError
     from tokstream.train.config import load_config
-    from tokstream.train.distributed import peer_gone
-    from tokstream.train.trainer import PREEMPTED_EXIT_STATUS, train
+    from tokstream.train.trainer import run_job
 
-    try:
-        finished = train(load_config(sys.argv[1], sys.argv[2:]))
-    except RuntimeError as err:
-        if not peer_gone(err):
-            raise
-        # One line from rank 0 instead of every surviving rank's collective traceback.
-        raise UserError("another rank of the job ended (its own line above says why): this rank stops too") from None
-    # Not 0 after a preemption: the job is unfinished, and a scheduler should requeue it. It also
-    # makes every node's torchrun return at once instead of waiting at its exit barrier for the
-    # node whose agent the notice ended.
-    return 0 if finished else PREEMPTED_EXIT_STATUS
+    return run_job(load_config(sys.argv[1], sys.argv[2:]))
 
 
 if __name__ == "__main__":

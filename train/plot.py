@@ -18,26 +18,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
-from tokstream.errors import CommandLine, UserError, run_cli  # noqa: E402
-from tokstream.object_store import is_s3  # noqa: E402
-from tokstream.train.metrics import read_records  # noqa: E402
-
-
-def read_metrics(run_dir: str) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not is_s3(run_dir) and not path.is_file():
-        raise UserError(f"{path} does not exist: is {run_dir} a run directory?")
-    records = read_records(run_dir)
-    if not records:  # an S3 prefix without metrics reads as empty, as does a run that has not logged a step
-        raise UserError(f"{run_dir} holds no metrics: is it a run directory, and has its run logged a step?")
-    return records
+from tokstream.errors import CommandLine, run_cli  # noqa: E402
+from tokstream.train.metrics import run_metrics  # noqa: E402
 
 
 def plot_runs(run_dirs: list[str], out: str) -> list[str]:
     """Write the PNG; returns the curves' labels, in drawing order."""
     figure, axis = plt.subplots(figsize=(8, 5))
     for index, run_dir in enumerate(run_dirs):
-        records = read_metrics(run_dir)
+        records = run_metrics(run_dir)
         if index == 0:
             mark_tokens_and_phases(axis, records)
         name = Path(run_dir).name

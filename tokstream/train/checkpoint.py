@@ -268,8 +268,11 @@ class Checkpointer:
     """
 
     def __init__(self, store: RunStore, keep: int, dist: Distributed, components: dict[str, Stateful],
-                 run_record: dict, metrics_path: Path | None = None):
+                 run_record: dict, metrics_path: Path | None = None, interval: int | None = None,
+                 last_step: int | None = None, background: bool = True):
         self.store, self.keep, self.dist = store, keep, dist
+        # The cadence (after_step): every `interval` steps, in the background if `background`; at `last_step`, waited for.
+        self.interval, self.last_step, self.background = interval, last_step, background
         self.components = components
         self.run_record = {**run_record, "run_id": run_record.get("run_id") or new_run_id()}
         self.metrics_path = metrics_path  # an S3 run's local metrics, uploaded with each checkpoint
@@ -291,6 +294,14 @@ class Checkpointer:
             component.load_state_dict(saved[name])
         self.saved_step = self.snapshot_step = saved["progress"]["step"]
         self._trusted.append(self.saved_step)
+
+    def after_step(self, step: int) -> None:
+        """The run's cadence, after step `step` is trained: the last step's save is waited for; a periodic one is
+        written while training goes on (with background checkpoints)."""
+        if step == self.last_step:
+            self.save(step)
+        elif self.interval and step % self.interval == 0:
+            self.save(step, background=self.background)
 
     def save(self, step: int, background: bool = False) -> None:
         """Collective (RNG states are gathered from every rank); a step already saved is not saved again."""

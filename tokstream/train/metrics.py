@@ -5,6 +5,7 @@ import os
 import sys
 from pathlib import Path
 
+from tokstream.errors import UserError
 from tokstream.object_store import is_s3
 
 METRICS_FILE = "metrics.jsonl"
@@ -58,6 +59,17 @@ def read_records(run_dir: str | os.PathLike) -> list[dict]:
     else:
         text = _read_text(Path(run_dir) / METRICS_FILE)
     return [record for _, record in _records(text, f"{str(run_dir).rstrip('/')}/{METRICS_FILE}") if record is not None]
+
+
+def run_metrics(run_dir: str) -> list[dict]:
+    """read_records(run_dir), refused in one line when it holds none (no run there, or none logged yet)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not is_s3(run_dir) and not path.is_file():
+        raise UserError(f"{path} does not exist: is {run_dir} a run directory?")
+    records = read_records(run_dir)
+    if not records:  # an S3 prefix without metrics reads as empty, as does a run that has not logged a step
+        raise UserError(f"{run_dir} holds no metrics: is it a run directory, and has its run logged a step?")
+    return records
 
 
 class MetricsLog:

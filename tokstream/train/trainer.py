@@ -22,7 +22,7 @@ from tokstream.errors import StoreError, UserError, no_space, out_of_space
 from tokstream.reader import BatchPlan, Dataset, eval_batches, remove_stale_shared_memory, to_device
 from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
 from tokstream.train.config import TrainConfig
-from tokstream.train.distributed import Distributed
+from tokstream.train.distributed import Distributed, peer_gone
 from tokstream.train.grace import budget_line, measure_write_rate, notice_line, state_bytes
 from tokstream.train.metrics import METRICS_FILE, MetricsLog, console_line
 from tokstream.train.model import GPT, peak_bf16_flops
@@ -129,7 +129,9 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
                                             "batch_plan": recipe.plan(recipe.phases[0]).state_dict(),
                                             "dataset_identity": recipe.datasets[0].identity,
                                             "phase_identities": [dataset.identity for dataset in recipe.datasets]},
-                                metrics_path=metrics.path if in_store else None)
+                                metrics_path=metrics.path if in_store else None,
+                                interval=config.checkpoint_interval, last_step=config.max_steps,
+                                background=config.background_checkpoints)
     if saved is not None:
         checkpointer.restore(saved)
         if dist.master:
@@ -280,90 +282,130 @@ def use_deterministic_kernels() -> None:
 PREEMPTED_EXIT_STATUS = 75
 
 
+def run_job(config: TrainConfig) -> int:
+    """The job's exit status: 0 when trained to max_steps, PREEMPTED_EXIT_STATUS after a preemption's checkpoint
+    (unfinished: a scheduler should requeue it; it also makes every node's torchrun return at once instead of
+    waiting at its exit barrier for the node whose agent the notice ended)."""
+    try:
+        return 0 if train(config) else PREEMPTED_EXIT_STATUS
+    except RuntimeError as err:
+        if not peer_gone(err):
+            raise
+        # One line from rank 0 instead of every surviving rank's collective traceback.
+        raise UserError("another rank of the job ended (its own line above says why): this rank stops too") from None
+
+
 def train(config: TrainConfig) -> bool:
     """Train until max_steps (True) or a preemption notice (False, after a checkpoint)."""
     run = setup(config)
-    dist, model, optimizer, progress, recipe = run.dist, run.model, run.optimizer, run.progress, run.recipe
-    if dist.master:
-        print(f"{run.raw_model.num_params() / 1e6:.2f}M parameters, {dist.world} ranks x {config.micro_batch_size} "
-              f"samples x {run.plan.accumulation} accumulation = {run.plan.global_batch_size} samples/step, "
-              f"{recipe.tokens_before(config.max_steps):,} tokens in {config.max_steps} steps, device {dist.device}")
-    bar = tqdm(total=config.max_steps, initial=progress.step, unit="step", disable=not dist.master,
-               dynamic_ncols=True)
-    model.train()
-    finished, first_step = True, progress.step
-    while progress.step < config.max_steps:
+    bar = progress_bar(run)
+    first_step = run.progress.step
+    run.model.train()
+    while run.progress.step < config.max_steps:
         if run.preemption.should_stop():  # collective: every rank stops at this same step
-            saving = time.monotonic()
-            run.checkpointer.save(progress.step)
-            bar.close()
-            if dist.master:
-                where = f"signal {run.preemption.received}" if run.preemption.received else "signal to another rank"
-                done = time.monotonic()
-                print(f"preempted ({where}): " + notice_line(progress.step, done - saving,
-                                                             done - run.preemption.noticed_at, config.preempt_grace_s)
-                      + ", exiting")
-            finished = False
+            save_on_notice(run, bar)
             break
-        if (line := enter_phase(run, progress.step)) and dist.master:
+        if (line := enter_phase(run, run.progress.step)) and run.dist.master:
             bar.write(line)
-        started = time.perf_counter()
-        accumulation = run.plan.accumulation
-        step_tokens = run.plan.global_batch_size * recipe.block_size(run.phase)
-        tokens_before = recipe.tokens_before(progress.step)
-        lr = learning_rate(progress.step, config, tokens_before, step_tokens)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=dist.device)
-        data_wait, sample_ids = 0.0, []
-        for micro in range(accumulation):
-            waited = time.perf_counter()
-            batch = next(run.batches)
-            data_wait += time.perf_counter() - waited
-            inputs, targets, document_args = model_inputs(batch, dist.device, config)
-            sample_ids.extend(batch["ids"].tolist())
-            last = micro == accumulation - 1
-            with nullcontext() if last or not dist.enabled else model.no_sync(), run.autocast:
-                loss = model(inputs, targets, **document_args) / accumulation  # gradients all-reduced on the last one
-            loss.backward()
-            loss_sum += loss.detach()
-        if config.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        progress.step += 1
-
-        step = progress.step
-        record = {"step": step, "loss": dist.mean(loss_sum).item(), "lr": lr,
-                  **account_step(run, sample_ids, tokens_before + step_tokens)}
-        seconds = time.perf_counter() - started
-        record.update(tokens_per_s=step_tokens / seconds, data_wait_s=data_wait, step_s=seconds)
-        if run.peak_flops:
-            record["mfu"] = run.raw_model.flops_per_token() * step_tokens / seconds / (run.peak_flops * dist.world)
-        if run.val_loaders and step % config.eval_interval == 0:
-            val_losses = evaluate(run)
-            if val_losses is not None:
-                record["val_loss"] = sum(run.val_weights[name] * loss for name, loss in val_losses.items()) / sum(
-                    run.val_weights.values())
-                if len(run.source_names) > 1:
-                    record["val_loss_per_source"] = val_losses
-            elif dist.master:
-                bar.write(f"evaluation at step {step} stopped: preemption notice")
-        run.metrics.write(record)
-        bar.update(1)
-        if dist.master and (step % config.log_interval == 0 or "val_loss" in record):
-            bar.write(console_line(record))
-        if step == first_step + 2 and dist.master:  # the first step warms up; the second is a fair measure
-            bar.write(check_grace(run, seconds))
-        if step == config.max_steps:
-            run.checkpointer.save(step)
-        elif step % config.checkpoint_interval == 0:
-            run.checkpointer.save(step, background=config.background_checkpoints)
+        record = train_step(run)
+        evaluate_when_due(run, record, bar)
+        log_step(run, record, bar, first_step)
+        run.checkpointer.after_step(record["step"])
     bar.close()
-    dist.close()
+    run.dist.close()
     if run.lease is not None:
         run.lease.release()
-    return finished
+    return run.progress.step >= config.max_steps
+
+
+def progress_bar(run: Run) -> tqdm:
+    """The run's line (parameters, ranks, batch, tokens) and its progress bar, on rank 0."""
+    config, plan = run.config, run.plan
+    if run.dist.master:
+        print(f"{run.raw_model.num_params() / 1e6:.2f}M parameters, {run.dist.world} ranks x {config.micro_batch_size} "
+              f"samples x {plan.accumulation} accumulation = {plan.global_batch_size} samples/step, "
+              f"{run.recipe.tokens_before(config.max_steps):,} tokens in {config.max_steps} steps, "
+              f"device {run.dist.device}")
+    return tqdm(total=config.max_steps, initial=run.progress.step, unit="step", disable=not run.dist.master,
+                dynamic_ncols=True)
+
+
+def save_on_notice(run: Run, bar: tqdm) -> None:
+    """A preemption notice: every rank checkpoints this step, and rank 0 says how long it took of the grace."""
+    saving = time.monotonic()
+    run.checkpointer.save(run.progress.step)
+    bar.close()
+    if run.dist.master:
+        where = f"signal {run.preemption.received}" if run.preemption.received else "signal to another rank"
+        done = time.monotonic()
+        print(f"preempted ({where}): " + notice_line(run.progress.step, done - saving, done - run.preemption.noticed_at,
+                                                     run.config.preempt_grace_s) + ", exiting")
+
+
+def train_step(run: Run) -> dict:
+    """One optimizer step over the phase's accumulation of micro-batches; its record for metrics.jsonl."""
+    config, dist, optimizer, recipe = run.config, run.dist, run.optimizer, run.recipe
+    started = time.perf_counter()
+    accumulation = run.plan.accumulation
+    step_tokens = run.plan.global_batch_size * recipe.block_size(run.phase)
+    tokens_before = recipe.tokens_before(run.progress.step)
+    lr = learning_rate(run.progress.step, config, tokens_before, step_tokens)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = torch.zeros((), device=dist.device)
+    data_wait, sample_ids = 0.0, []
+    for micro in range(accumulation):
+        waited = time.perf_counter()
+        batch = next(run.batches)
+        data_wait += time.perf_counter() - waited
+        inputs, targets, document_args = model_inputs(batch, dist.device, config)
+        sample_ids.extend(batch["ids"].tolist())
+        last = micro == accumulation - 1
+        with nullcontext() if last or not dist.enabled else run.model.no_sync(), run.autocast:
+            loss = run.model(inputs, targets, **document_args) / accumulation  # gradients all-reduced on the last one
+        loss.backward()
+        loss_sum += loss.detach()
+    if config.optim.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.optim.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    run.progress.step += 1
+
+    record = {"step": run.progress.step, "loss": dist.mean(loss_sum).item(), "lr": lr,
+              **account_step(run, sample_ids, tokens_before + step_tokens)}
+    seconds = time.perf_counter() - started
+    record.update(tokens_per_s=step_tokens / seconds, data_wait_s=data_wait, step_s=seconds)
+    if run.peak_flops:
+        record["mfu"] = run.raw_model.flops_per_token() * step_tokens / seconds / (run.peak_flops * dist.world)
+    return record
+
+
+def evaluate_when_due(run: Run, record: dict, bar: tqdm) -> None:
+    """Every eval_interval steps: the validation loss (each source's weighted by its share of an epoch) into the
+    step's record."""
+    if not run.val_loaders or record["step"] % run.config.eval_interval:
+        return
+    val_losses = evaluate(run)
+    if val_losses is None:
+        if run.dist.master:
+            bar.write(f"evaluation at step {record['step']} stopped: preemption notice")
+        return
+    record["val_loss"] = sum(run.val_weights[name] * loss for name, loss in val_losses.items()) / sum(
+        run.val_weights.values())
+    if len(run.source_names) > 1:
+        record["val_loss_per_source"] = val_losses
+
+
+def log_step(run: Run, record: dict, bar: tqdm, first_step: int) -> None:
+    """The step's line in metrics.jsonl, its console line every log_interval (and with a validation loss), and after
+    the second step of a launch whether a step plus the saves fit in the preemption grace."""
+    run.metrics.write(record)
+    bar.update(1)
+    step = record["step"]
+    if run.dist.master and (step % run.config.log_interval == 0 or "val_loss" in record):
+        bar.write(console_line(record))
+    if step == first_step + 2 and run.dist.master:  # the first step warms up; the second is a fair measure
+        bar.write(check_grace(run, record["step_s"]))
 
 
 def account_step(run: Run, sample_ids: list[int], tokens: int) -> dict:

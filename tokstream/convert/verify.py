@@ -13,7 +13,7 @@ from tokstream.errors import UserError
 from tokstream.format import (METADATA_FILE, DatasetMetadata, column_encoding, decompress_shard, file_hash,
                               shard_samples, stored_file)
 from tokstream.object_store import S3Dataset, is_s3
-from tokstream.tokenizer import identity_contradiction
+from tokstream.tokenizer import dataset_tokenizer, identity_contradiction
 
 
 @dataclass
@@ -180,3 +180,10 @@ def read_sample(root: str | Path, split: str, index: int) -> np.ndarray:
     if problems:
         raise UserError(problems[0])
     raise UserError(f"{split} has {seen} samples; sample {index} does not exist")
+
+
+def decode_sample(root: str | Path, split: str, index: int, metadata: DatasetMetadata, tokenizer: str | None = None,
+                  ranks_file: str | None = None) -> tuple[np.ndarray, str]:
+    """Sample `index` of the split, and its text in the tokenizer the dataset was converted with (or `tokenizer`)."""
+    tokens = read_sample(root, split, index)
+    return tokens, dataset_tokenizer(metadata, str(root), tokenizer, ranks_file).decode(tokens.tolist())

@@ -12,14 +12,14 @@ fingerprints the chunks converted before, to refill the table.
 import dataclasses
 import time
 
-from tokstream.cleaning import Cleaning, CleaningStats
-from tokstream.dataset_writer import SplitWriter, finish_dataset, text_metadata
+from tokstream.convert.cleaning import Cleaning, CleaningStats
+from tokstream.convert.dataset_writer import SplitWriter, finish_dataset, text_metadata
+from tokstream.convert.options import ConversionOptions
+from tokstream.convert.resume import STATE_FILE, load_state, save_state, text_resume_key
+from tokstream.convert.sources import DocumentSource, SourceStats
+from tokstream.convert.staging import staged_output
+from tokstream.convert.tokenize_docs import Counters, tokenized_batches
 from tokstream.format import DatasetMetadata
-from tokstream.options import ConversionOptions
-from tokstream.resume import STATE_FILE, load_state, save_state, text_resume_key
-from tokstream.sources import DocumentSource, SourceStats
-from tokstream.staging import staged_output
-from tokstream.tokenize_docs import Counters, tokenized_batches
 from tokstream.tokenizer import Tokenizer
 
 

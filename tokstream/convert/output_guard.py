@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
+from tokstream.convert.resume import JOURNAL_FILE, PART_DONE_FILE, RESUME_KEY_FILE, SPLIT_STATS_FILE, STATE_FILE
 from tokstream.errors import NoSpace, UserError, no_space, out_of_space
 from tokstream.format import METADATA_FILE, DatasetMetadata
 from tokstream.object_store import S3Dataset, is_s3
-from tokstream.resume import JOURNAL_FILE, PART_DONE_FILE, RESUME_KEY_FILE, SPLIT_STATS_FILE, STATE_FILE
 
 # The files a conversion writes at the top of an output (OUT, OUT.partial or a part's folder) ...
 _TOP_FILES = {METADATA_FILE, METADATA_FILE + ".tmp", RESUME_KEY_FILE, STATE_FILE, STATE_FILE + ".tmp",

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from tokstream.cleaning import Cleaning, CleaningStats, FingerprintSet, clean_texts, fingerprint
+from tokstream.convert.cleaning import Cleaning, CleaningStats, FingerprintSet, clean_texts, fingerprint
+from tokstream.convert.options import ConversionOptions
+from tokstream.convert.sources import Chunk, DocumentSource, SourceStats
 from tokstream.errors import WorkLost
-from tokstream.options import ConversionOptions
-from tokstream.sources import Chunk, DocumentSource, SourceStats
 from tokstream.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer
 
 

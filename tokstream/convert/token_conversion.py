@@ -16,16 +16,16 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from tokstream.dataset_writer import SplitWriter
+from tokstream.convert.dataset_writer import SplitWriter
+from tokstream.convert.options import ConversionOptions
+from tokstream.convert.remote_token_files import Fetcher, RemoteTokenFile
+from tokstream.convert.resume import (SplitState, discard_split_stats, file_stamp, finished_split_stats, read_journal,
+                              save_split_stats, token_files_resume_key)
+from tokstream.convert.staging import staged_output
+from tokstream.convert.token_files import TokenFile, check_chunk
 from tokstream.errors import UserError
 from tokstream.format import METADATA_FILE, DatasetMetadata, SplitStats, read_metadata, token_dtype, write_metadata
 from tokstream.object_store import is_s3
-from tokstream.options import ConversionOptions
-from tokstream.resume import (SplitState, discard_split_stats, file_stamp, finished_split_stats, read_journal,
-                              save_split_stats, token_files_resume_key)
-from tokstream.remote_token_files import Fetcher, RemoteTokenFile
-from tokstream.staging import staged_output
-from tokstream.token_files import TokenFile, check_chunk
 
 CHUNK_TOKENS = 1 << 24  # 32 MB of uint16 per read
 

@@ -8,12 +8,16 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from tokstream.cleaning import Cleaning
+from tokstream.convert.cleaning import Cleaning
+from tokstream.convert.options import ConversionOptions
+from tokstream.convert.output_guard import check_output_location, check_s3_output, conversion_lock
+from tokstream.convert.text_conversion import convert_text
+from tokstream.convert.token_conversion import Vocabulary
+from tokstream.convert.token_files import LLMC_LLAMA3_MAGIC
+from tokstream.errors import UserError
 from tokstream.format import DatasetMetadata
-from tokstream.options import ConversionOptions
-from tokstream.output_guard import check_output_location, check_s3_output, conversion_lock
-from tokstream.text_conversion import convert_text
-from tokstream.tokenizer import load_tokenizer
+from tokstream.format import parse_size
+from tokstream.tokenizer import POSITIONS, load_tokenizer
 
 
 def output_location(value: str) -> str:
@@ -45,6 +49,37 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--staging", default=None,
                         help="local scratch for s3:// outputs (a few shards; parts of multi-machine runs)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_vocabulary_arguments(parser: argparse.ArgumentParser) -> None:
+    """bin_to_mds.py's: ids described by their range and separator, for files whose tokenizer is known by name only."""
+    parser.add_argument("--vocab-size", type=int, default=None, help="ids are below this (instead of --tokenizer)")
+    parser.add_argument("--separator-id", type=int, default=None, help="the separator id (with --vocab-size)")
+    parser.add_argument("--separator-position", choices=POSITIONS, default="after",
+                        help="separator after each document (end-of-text, default) or before it (begin-of-text)")
+
+
+def token_vocabulary(args: argparse.Namespace, files: list) -> Vocabulary:
+    """What token files' ids mean: from --vocab-size/--separator-id when given, else from --tokenizer."""
+    if args.vocab_size is not None or args.separator_id is not None:
+        if args.vocab_size is None or args.separator_id is None:
+            raise UserError("--vocab-size and --separator-id go together: give both")
+        if args.tokenizer != "gpt2":
+            raise UserError("--tokenizer and --vocab-size both describe the ids: give one")
+        return Vocabulary(f"vocab-{args.vocab_size}", None, args.vocab_size, args.separator_id,
+                          args.separator_position)
+    llama3 = next((f for f in files if f.is_llama3_llmc), None)
+    if llama3 is not None and args.tokenizer == "gpt2":
+        raise UserError(f"{llama3.path} is an llm.c Llama-3 shard (magic {LLMC_LLAMA3_MAGIC}, uint32 ids): pass "
+                        "--tokenizer with Llama-3's tokenizer.json (or hub repository), or --vocab-size 128256 "
+                        "--separator-id 128000 --separator-position before")
+    return Vocabulary.of(load_tokenizer(args.tokenizer, args.ranks_file, args.separator))
+
+
+def text_cleaning(normalize: str, dedup: bool, dedup_memory: str) -> Cleaning:
+    """text_to_mds.py's cleaning: normalisation, empty documents dropped, and with `dedup` exact repeats, in a table
+    of `dedup_memory` (e.g. 1gb)."""
+    return Cleaning(normalize=normalize, drop_empty=True, dedup_memory=parse_size(dedup_memory) if dedup else None)
 
 
 def add_text_arguments(parser: argparse.ArgumentParser) -> None:

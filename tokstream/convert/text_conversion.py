@@ -1,14 +1,14 @@
 """Text conversion as a whole: in one pass (text_one_pass.py), or part by part and merged (text_parts.py)."""
 
-from tokstream.cleaning import Cleaning
+from tokstream.convert.cleaning import Cleaning
+from tokstream.convert.options import ConversionOptions
+from tokstream.convert.sources import open_source
+from tokstream.convert.staging import refuse_existing_output
+from tokstream.convert.text_one_pass import convert_documents
+from tokstream.convert.text_parts import assign_files, convert_part, merge_parts, resolve_part
 from tokstream.errors import UserError
 from tokstream.format import DatasetMetadata
 from tokstream.object_store import is_s3
-from tokstream.options import ConversionOptions
-from tokstream.sources import open_source
-from tokstream.staging import refuse_existing_output
-from tokstream.text_one_pass import convert_documents
-from tokstream.text_parts import assign_files, convert_part, merge_parts, resolve_part
 from tokstream.tokenizer import Tokenizer
 
 

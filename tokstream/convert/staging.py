@@ -18,11 +18,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokstream.convert.output_guard import check_discardable, check_replaceable, check_s3_replaceable
+from tokstream.convert.resume import RESUME_KEY_FILE, STATE_FILE, key_matches, partial_path, replaced_path, write_key
 from tokstream.errors import NoSpace, UserError, WorkLost, no_space, out_of_space
 from tokstream.format import shard_file_intact, stored_file
 from tokstream.object_store import S3Dataset, Uploader, UploadError, is_s3
-from tokstream.output_guard import check_discardable, check_replaceable, check_s3_replaceable
-from tokstream.resume import RESUME_KEY_FILE, STATE_FILE, key_matches, partial_path, replaced_path, write_key
 
 
 @dataclass

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
+from tokstream.convert.options import ConversionOptions
+from tokstream.convert.resume import ShardJournal, SplitState, discard_state
+from tokstream.convert.staging import Staging
 from tokstream.errors import UserError
 from tokstream.format import (BlockPacker, DatasetMetadata, ShardWriter, SplitStats, stored_file, token_dtype,
                               write_metadata)
-from tokstream.options import ConversionOptions
-from tokstream.resume import ShardJournal, SplitState, discard_state
-from tokstream.staging import Staging
 from tokstream.tokenizer import Tokenizer
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tokstream.convert.token_files import LLMC_HEADER_INTS, LLMC_LLAMA3_MAGIC, LLMC_VERSIONS, TokenFile, open_token_file
 from tokstream.errors import UserError
-from tokstream.token_files import LLMC_HEADER_INTS, LLMC_LLAMA3_MAGIC, LLMC_VERSIONS, TokenFile, open_token_file
 
 
 def is_url(pattern: str) -> bool:

@@ -19,16 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
-from tokstream.cleaning import Cleaning, FingerprintSet
-from tokstream.dataset_writer import SplitWriter, finish_dataset, text_metadata
+from tokstream.convert.cleaning import Cleaning, FingerprintSet
+from tokstream.convert.dataset_writer import SplitWriter, finish_dataset, text_metadata
+from tokstream.convert.options import ConversionOptions
+from tokstream.convert.output_guard import conversion_lock, local_stand_in
+from tokstream.convert.resume import PART_DONE_FILE
+from tokstream.convert.sources import DocumentSource
+from tokstream.convert.staging import staged_output
+from tokstream.convert.tokenize_docs import Counters, tokenized_batches
 from tokstream.errors import UserError
 from tokstream.format import DatasetMetadata, token_dtype
-from tokstream.options import ConversionOptions
-from tokstream.output_guard import conversion_lock, local_stand_in
-from tokstream.resume import PART_DONE_FILE
-from tokstream.sources import DocumentSource
-from tokstream.staging import staged_output
-from tokstream.tokenize_docs import Counters, tokenized_batches
 from tokstream.tokenizer import Tokenizer
 
 DOC_RECORD = np.dtype([("fingerprint", "<u8"), ("tokens", "<i8")])
