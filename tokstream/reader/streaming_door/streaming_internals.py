@@ -239,8 +239,13 @@ def epoch_order_in_force(get_sampling, get_shuffle_py1e, generate_work_random) -
             and streaming_batching_module.batching_methods["random"] is generate_work_random)
 
 
-def file_locks(dataset: StreamingDataset) -> list[FileLock]:
-    """The dataset's barrier and cache file locks, once it has been iterated (tests)."""
+def file_locks(dataset: StreamingDataset, timeout_s: float = 30.0) -> list[FileLock]:
+    """The dataset's barrier and cache file locks, once it has been iterated (tests). Stock makes the cache lock when
+    its download-ahead thread first prepares a shard, which on a loaded machine may come after the first batch
+    (a local shard is read without it): wait for it."""
+    deadline = time.monotonic() + timeout_s
+    while not hasattr(dataset, "_cache_filelock") and time.monotonic() < deadline:
+        time.sleep(0.01)
     return [dataset._shared_barrier.lock, dataset._cache_filelock]
 
 
