@@ -25,6 +25,7 @@ THE_PROJECTS = {
     "streaming.base.dataset.FileLock",
     "streaming.base.shared.barrier.FileLock",
     'streaming.base.shuffle.algos["py1e"]',
+    'streaming.base.shuffle.algos["feistel_window"]',  # the project's own shuffle, registered beside stock's
     'streaming.base.batching.batching_methods["random"]',
     "streaming.base.dataloader.BatchEncoding",
     "streaming.base.dataloader.BatchFeature",

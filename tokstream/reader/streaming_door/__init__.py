@@ -5,7 +5,8 @@ or replaces its module attributes, lives in this package and nowhere else (tests
 - streaming_internals.py: the private names relied on, checked against the streaming versions it
   names (CHECKED_VERSIONS); WindowedDownloadAhead, the StreamingDataset the reader's dataset extends.
 - epoch_order.py, lean_spanner.py, prefix_registration.py: equal, faster replacements for streaming's
-  epoch order, sample-to-shard lookup and shared-memory numbering.
+  epoch order, sample-to-shard lookup and shared-memory numbering; install() also registers the project's
+  own shuffle (tokstream/reader/lazy_shuffle.py) under its name, beside stock's.
 
 Importing any of it changes nothing in streaming. `install()` puts the replacements in place, for
 every StreamingDataset built after it in this process; the reader's TokenDataset calls it. A process
@@ -29,5 +30,8 @@ def install() -> None:
     internals.install_epoch_order(epoch_order.get_sampling_vectorized, epoch_order.get_shuffle_py1e_fast,
                                   epoch_order.generate_work_random)
     internals.install_spanner(lean_spanner.LeanSpanner)
+    from tokstream.reader import lazy_shuffle
+
+    internals.install_shuffle(lazy_shuffle.NAME, lazy_shuffle.get_shuffle_feistel_window)
     internals.install_prefix_registration(prefix_registration.get_shm_prefix_claimed)
     internals.install_file_lock()

@@ -122,6 +122,14 @@ def install_epoch_order(get_sampling, get_shuffle_py1e, generate_work_random) ->
     streaming_batching_module.batching_methods["random"] = generate_work_random  # and of batching methods
 
 
+def install_shuffle(name: str, get_shuffle_function) -> None:
+    """Register a shuffle of the project's under its own name in streaming's registry (install() does), so that
+    any StreamingDataset given shuffle_algo=name reads in that order; stock's own algorithms stay as they are."""
+    if name in streaming_shuffle_module.algos and streaming_shuffle_module.algos[name] is not get_shuffle_function:
+        raise RuntimeError(f"streaming already has a shuffle named {name!r}")
+    streaming_shuffle_module.algos[name] = get_shuffle_function
+
+
 def install_spanner(spanner_class) -> None:
     """Make datasets built from now on use lean_spanner.py's Spanner (install() does)."""
     streaming_dataset_module.Spanner = spanner_class  # the name StreamingDataset.__init__ calls
