@@ -114,8 +114,10 @@ def test_torchrun_max_restarts_recovers_a_crashed_rank_by_itself(reference, data
     assert len(resumed) == 1 and int(resumed[0][0]) == int(resumed[0][1]) >= 4, output[-3000:]
     assert trained_steps(tmp_path) == reference
     records = metrics(tmp_path)  # what the README says each line holds (no mfu on a CPU: its peak is unknown)
-    assert all({"step", "loss", "lr", "tokens_per_s", "data_wait_s", "step_s"} <= set(r) and "mfu" not in r
-               for r in records)
+    assert all({"step", "loss", "lr", "grad_norm", "clipped", "tokens_per_s", "data_wait_s", "data_wait_fraction",
+                "step_s"} <= set(r) and "mfu" not in r for r in records)
+    assert all(r["grad_norm"] > 0 and r["clipped"] == (r["grad_norm"] > 1.0) and 0 <= r["data_wait_fraction"] < 1
+               for r in records)  # configs/tiny.yaml clips at optim.grad_clip 1.0
     assert [r["step"] for r in records if "val_loss" in r] == [8, 16]  # every eval_interval
 
 
@@ -290,3 +292,21 @@ def test_dataloader_workers_ignore_preemption_signals_and_the_run_goes_on_exactl
             os.kill(pid, signum)
     finish(process)
     assert trained_steps(tmp_path) == reference
+
+
+@pytest.mark.parametrize("clip", [0.001, 0.0])
+def test_each_step_logs_its_gradient_norm_before_clipping_and_its_share_of_waiting_for_data(dataset, tmp_path, clip):
+    """The norm a spike shows first, before clipping scales it down (clipped: whether it was); 0 turns clipping off
+    and the norm is still logged. The console line shows both and the share of the step spent waiting for data."""
+    done = subprocess.run([sys.executable, str(ROOT / "train/main.py"), "configs/tiny.yaml", "max_steps=3",
+                           "global_batch_size=8", "micro_batch_size=4", f"optim.grad_clip={clip}", "log_interval=1",
+                           "eval_interval=0", f"data.remote={dataset}", f"run_dir={tmp_path / 'run'}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = metrics(tmp_path / "run")
+    assert [r["clipped"] for r in records] == [clip > 0] * 3  # a fresh model's norm is far above 0.001
+    assert all(r["grad_norm"] > 0.001 for r in records)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and all(f"grad_norm {r['grad_norm']:.3g}" in line for r, line in zip(records, lines))
+    assert all(("(clipped)" in line) == (clip > 0) and re.search(r"data_wait [\d.]+ ms \(\d+%\)", line)
+               for line in lines)

@@ -106,5 +106,8 @@ def console_line(record: dict) -> str:
         val += " (" + ", ".join(f"{name} {loss:.4f}" for name, loss in record["val_loss_per_source"].items()) + ")"
     mfu = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
     tokens = f" tokens {record['tokens']:,}" if "tokens" in record else ""
-    return (f"step {record['step']}{tokens} loss {record['loss']:.4f}{val} lr {record['lr']:.2e} "
-            f"{record['tokens_per_s']:,.0f} tok/s data_wait {record['data_wait_s'] * 1e3:.1f} ms{mfu}")
+    norm = f" grad_norm {record['grad_norm']:.3g}{' (clipped)' if record.get('clipped') else ''}" \
+        if "grad_norm" in record else ""
+    waited = f" ({record['data_wait_fraction']:.0%})" if "data_wait_fraction" in record else ""
+    return (f"step {record['step']}{tokens} loss {record['loss']:.4f}{val}{norm} lr {record['lr']:.2e} "
+            f"{record['tokens_per_s']:,.0f} tok/s data_wait {record['data_wait_s'] * 1e3:.1f} ms{waited}{mfu}")

@@ -365,16 +365,22 @@ def train_step(run: Run) -> dict:
             loss = run.model(inputs, targets, **document_args) / accumulation  # gradients all-reduced on the last one
         loss.backward()
         loss_sum += loss.detach()
+    # The gradients' norm before clipping (what a loss spike shows first); clipping, when on, scales them to grad_clip.
     if config.optim.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.optim.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.optim.grad_clip)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in run.model.parameters() if p.grad is not None])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     run.progress.step += 1
 
-    record = {"step": run.progress.step, "loss": dist.mean(loss_sum).item(), "lr": lr,
+    grad_norm = grad_norm.item()
+    record = {"step": run.progress.step, "loss": dist.mean(loss_sum).item(), "lr": lr, "grad_norm": grad_norm,
+              "clipped": 0 < config.optim.grad_clip < grad_norm,
               **account_step(run, sample_ids, tokens_before + step_tokens)}
     seconds = time.perf_counter() - started
-    record.update(tokens_per_s=step_tokens / seconds, data_wait_s=data_wait, step_s=seconds)
+    record.update(tokens_per_s=step_tokens / seconds, data_wait_s=data_wait, step_s=seconds,
+                  data_wait_fraction=data_wait / seconds)
     if run.peak_flops:
         record["mfu"] = run.raw_model.flops_per_token() * step_tokens / seconds / (run.peak_flops * dist.world)
     return record
