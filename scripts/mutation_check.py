@@ -88,7 +88,9 @@ MUTATIONS = [
              ("tests/test_run_lease.py", "-k", "three_of_its_beats")),
     # Issue 40: what cannot be honoured is refused.
     Mutation("phases: data not opened again at the boundary", "a phase reads the data the run recorded, or the run "
-             "stops", "tokstream/train/trainer.py", "if run.phase is not None:  # opened at start-up", "if False:",
+             "stops", "tokstream/train/trainer.py",
+             "if run.phase is not None:  # opened at start-up; a phase's data may be replaced meanwhile",
+             "if False:",
              ("tests/test_phases.py", "-k", "replaced_mid_run")),
     Mutation("phases: another tokenizer accepted", "every phase's data shares phase 0's tokenizer and separator",
              "tokstream/train/phases.py", "difference = dataset.token_difference(datasets[0])", "difference = None",
@@ -137,7 +139,12 @@ def check(mutation: Mutation, copy: Path, timeout: float) -> tuple[str, float]:
     found = text.count(mutation.old)
     if found != 1:
         return f"not applied ({found} matches: the code moved; update the mutation)", 0.0
-    path.write_text(text.replace(mutation.old, mutation.new))
+    mutated = text.replace(mutation.old, mutation.new)
+    try:
+        compile(mutated, str(path), "exec")
+    except SyntaxError as err:  # a test failing on a file that does not compile proves nothing
+        return f"not applied (the mutated file does not compile: {err.msg})", 0.0
+    path.write_text(mutated)
     try:
         status, seconds = run_tests(copy, mutation.tests, timeout)
     finally:

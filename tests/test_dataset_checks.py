@@ -171,9 +171,14 @@ def test_the_vocabulary_check_reads_the_samples_exact_in_pieces_of_any_size(tmp_
     ("max_steps=-3", "max_steps must be a whole number at least 1, got -3"),
     ("eval_interval=-1", "eval_interval must be a whole number at least 0, got -1 (0 turns evaluation off)"),
     ("keep_checkpoints=-1", "keep_checkpoints must be a whole number at least 0, got -1 (0 keeps every checkpoint)"),
-    ("lease_interval_s=0", "lease_interval_s must be above 0, got 0.0"),
-    ("optim.beta2=1", "optim.beta2 must be at least 0 and below 1, got 1.0"),
-    ("model.dropout=.nan", "model.dropout must be at least 0 and below 1, got nan"),
+    ("lease_interval_s=0", "lease_interval_s must be a finite number above 0, got 0.0"),
+    ("optim.beta2=1", "optim.beta2 must be a finite number at least 0 and below 1, got 1.0"),
+    ("model.dropout=.nan", "model.dropout must be a finite number at least 0 and below 1, got nan"),
+    ("optim.lr=.inf", "optim.lr must be a finite number at least 0, got inf"),
+    ("seed=-1", "seed must be a whole number at least 0 and below 2147483648, got -1 (each rank seeds with seed + its "
+                "rank)"),
+    ("max_steps=null", "max_steps must be set, got null"),
+    ("model.n_head=null", "model.n_head must be set, got null"),
     ("data.num_workers=-2", "data.num_workers must be a whole number at least 0, got -2"),
     ("model.n_head=3", "model.n_embd 64 is not a multiple of model.n_head 3: each head takes an equal share of the "
                        "embedding"),
@@ -187,7 +192,9 @@ def test_a_numeric_setting_out_of_its_range_is_refused_when_the_config_is_made(o
     with pytest.raises(UserError) as refused:
         load_config("configs/tiny.yaml", [override])
     assert str(refused.value) == message
-    assert load_config("configs/tiny.yaml", ["eval_interval=0", "keep_checkpoints=0"]).eval_interval == 0  # the edges
+    edges = load_config("configs/tiny.yaml", ["eval_interval=0", "keep_checkpoints=0", "optim.grad_clip=.inf",
+                                              "optim.decay_steps=null", "seed=0"])  # the edges, and unset optionals
+    assert (edges.eval_interval, edges.optim.grad_clip, edges.optim.decay_steps) == (0, float("inf"), None)
 
 
 def test_a_zero_interval_is_refused_by_the_trainer_in_one_line_before_anything_runs(tmp_path):

@@ -207,7 +207,8 @@ def test_a_run_without_ranks_in_its_metrics_needs_them_given_and_other_data_is_r
 
 def test_a_damaged_metrics_line_or_latest_blocks_neither_the_relaunch_nor_the_ledger_nor_the_plot(run, datasets,
                                                                                                    tmp_path):
-    """A line cut by a kill and then appended to, a line that is a list, a line without a step, and a LATEST whose step
+    """A line cut by a kill and then appended to, a line that is a list, a line without a step, lines whose fields are
+    not what the run writes (ranks without nodes, tokens null), and a LATEST whose step
     is JSON's 1e999 (infinity): each tool says which lines it skipped, in one warning, and goes on; the relaunch keeps
     the damaged lines as they are (nothing lost) and resumes from the newest checkpoint."""
     import shutil
@@ -218,10 +219,13 @@ def test_a_damaged_metrics_line_or_latest_blocks_neither_the_relaunch_nor_the_le
     shutil.copytree(run, copy)
     lines = (copy / "metrics.jsonl").read_text().splitlines(keepends=True)
     cut_then_appended = lines[3][:20] + json.dumps({"step": 99, "loss": 1.0}) + "\n"
-    damaged = lines[:3] + [cut_then_appended, "[1, 2]\n", json.dumps({"loss": 1.0}) + "\n"] + lines[3:]
-    (copy / "metrics.jsonl").write_text("".join(damaged))  # lines 4, 5 and 6
+    odd_fields = [json.dumps({"step": 4, "loss": 1.0, "ranks": 1}), json.dumps({"step": 4, "loss": 1.0, "tokens": None})]
+    damaged = lines[:3] + [cut_then_appended, "[1, 2]\n", json.dumps({"loss": 1.0}) + "\n",
+                           *(line + "\n" for line in odd_fields)] + lines[3:]
+    (copy / "metrics.jsonl").write_text("".join(damaged))  # lines 4 to 8
     (copy / "LATEST").write_text('{"checkpoint": "ckpt-00000010.pt", "step": 1e999}')
-    warning = ("warning: {}/metrics.jsonl lines 4, 5, 6 are not a step's record (cut by a kill, or edited): skipped; "
+    warning = ("warning: {}/metrics.jsonl lines 4, 5, 6, 7, 8 are not a step's record (cut by a kill, or edited): "
+               "skipped; "
                "delete or repair them to silence this")
 
     answered = ledger(copy, "--steps", "1:10", "--json")
@@ -234,7 +238,7 @@ def test_a_damaged_metrics_line_or_latest_blocks_neither_the_relaunch_nor_the_le
 
     train(copy, datasets["a"], 12)
     kept = (copy / "metrics.jsonl").read_text().splitlines(keepends=True)
-    assert kept[:13] == damaged and [json.loads(line)["step"] for line in kept[13:]] == [11, 12]
+    assert kept[:15] == damaged and [json.loads(line)["step"] for line in kept[15:]] == [11, 12]
     assert [r["samples"] for r in read_records(copy)][:10] == [r["samples"] for r in read_records(run)]
 
 

@@ -614,3 +614,58 @@ def test_units_before_and_the_ledger_give_the_steps_the_reader_reads_across_ever
                 == [sorted(u) for u in units], step
     finally:
         ledger.close()
+
+
+def test_data_a_trained_phase_read_changed_under_a_later_phase_stops_the_run_saying_to_put_it_back(tmp_path):
+    """Phases a, b, then a again: a is converted again while b trains. At the boundary the run stops in one line
+    that says the data must be put back (phases.0 trained on it, so a relaunch would be refused, and is); put back,
+    the same command goes on, every step as the ledger says."""
+    from tokstream.train.ledger import Ledger
+
+    for name in ("a", "b", "a-again"):
+        (tmp_path / name).mkdir()
+    a = tiny_splits(tmp_path / "a", 40, 8, seed=1)
+    b = tiny_splits(tmp_path / "b", 24, 300, seed=2)  # a val split whose evaluation at step 6 takes seconds
+    replacement = tiny_splits(tmp_path / "a-again", 32, 8, seed=3)
+    run_dir = tmp_path / "run"
+    settings = ["max_steps=10", "global_batch_size=4", "micro_batch_size=2", "model.block_size=64",
+                "eval_interval=2", "eval_batches=100000", "checkpoint_interval=100",
+                f"phases=[{{start_step: 0, data: {{remote: '{a}'}}}}, {{start_step: 4, data: {{remote: '{b}'}}}}, "
+                f"{{start_step: 8, data: {{remote: '{a}'}}}}]"]
+    first = Output(launch(1, None, run_dir, *settings))
+    first.wait_for(lambda text: len(metrics(run_dir)) >= 5)  # phases.1 trains: a's reader is closed
+    os.rename(a, tmp_path / "a" / "old")
+    os.rename(replacement, a)
+    text = first.finish()
+    assert first.process.returncode == 1 and "exitcode  : 2" in text, text[-3000:]
+    assert (f"changed since this launch opened it (identity {open_dataset(DataConfig(remote=str(tmp_path / 'a' / 'old'))).identity}, "
+            f"now {open_dataset(DataConfig(remote=str(a))).identity}); phases.0, which has trained, read that data too, "
+            "so the run cannot go on with it: put the data back as it was (a checkpoint is saved at step 8, before "
+            "phases.2), or use a new run_dir\n") in text
+    refused = Output(launch(1, None, run_dir, *settings))
+    assert "phases.0's data differs from the one the checkpoint's run read in it" in refused.finish()
+
+    os.rename(a, tmp_path / "a-again" / "ds")
+    os.rename(tmp_path / "a" / "old", a)  # put back
+    Output(launch(1, None, run_dir, *settings)).finish()
+    traced = metrics(run_dir)
+    assert [m["step"] for m in traced] == list(range(1, 11))
+    ledger = Ledger.of_run(str(run_dir))
+    try:
+        assert [ledger.step(step).samples.tolist() for step in range(1, 11)] == [m["samples"] for m in traced]
+    finally:
+        ledger.close()
+
+
+def test_two_phases_datasets_of_one_folder_name_are_refused_one_cache(tmp_path):
+    """With data.local, a phase's cache is data.local/<its dataset folder's name>: two datasets named alike (every
+    tiny_splits dataset is .../ds) would read each other's shards there."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    a, b = tiny_splits(tmp_path / "a", 40, 8, seed=1), tiny_splits(tmp_path / "b", 24, 8, seed=2, block_size=128)
+    settings = ["micro_batch_size=2", "global_batch_size=4", "model.block_size=128", f"data.local={tmp_path / 'cache'}",
+                f"phases=[{{start_step: 0, data: {{remote: '{a}'}}}}, {{start_step: 4, data: {{remote: '{b}'}}}}]"]
+    assert refusal(lambda: Recipe.open(load_config(None, settings), 1)) == (
+        f"phases.1's data ({b}) and phases.0's ({a}) would share the cache {tmp_path / 'cache' / 'ds'} and read each "
+        "other's shards: give phases.1.data.local a folder of its own")
+    Recipe.open(load_config(None, [*settings, f"phases.1.data.local={tmp_path / 'cache-b'}"]), 1)

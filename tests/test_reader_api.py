@@ -278,7 +278,7 @@ def test_a_state_of_another_order_or_not_a_state_at_all_is_refused_in_one_line(m
         "the state is of another data.shuffle_seed (1, here 2): it cannot resume these batches")
     algorithm = dataclasses.replace(mixture, shuffle_algo="py1s")
     assert refusal(lambda: TrainBatches(open_dataset(algorithm), BatchPlan(8, 4, 1)).load_state_dict(
-        taken(mixture))).startswith("the state is of another data.shuffle_algo (py1e, here py1s)")
+        taken(mixture))).startswith("the state is of another data.shuffle_algo ('py1e', here 'py1s')")
     # An older state without "format" still loads, its seed checked through streaming's own position.
     older = {key: seeded[key] for key in ("dataset_identity", "global_batch_size", "position")}
     assert refusal(lambda: TrainBatches(open_dataset(mixture), BatchPlan(8, 4, 1)).load_state_dict(older)) == (
@@ -299,5 +299,28 @@ def test_a_state_of_another_order_or_not_a_state_at_all_is_refused_in_one_line(m
     off_step = dict(taken(mixture, micro_batches=1)["position"])  # streaming's position alone, half a step in
     assert refusal(lambda: fresh.load_state_dict(off_step)) == (
         "the position (sample 4 of its epoch) is not at a step of global_batch_size 8: it cannot resume these batches")
-    fresh.load_state_dict(taken(mixture)["position"])  # at a step: the trainer's states from before the reader API
+    good = taken(mixture)
+    for damage in ({"sample_in_epoch": -2}, {"sample_in_epoch": 10**6}, {"epoch": 1.5}):
+        damaged = {**good, "position": {**good["position"], **damage}}
+        assert refusal(lambda: fresh.load_state_dict(damaged)).startswith("the state's position is damaged (epoch ")
+    assert refusal(lambda: fresh.load_state_dict({**good, "shuffle_seed": "9176"})) == (
+        "the state is of another data.shuffle_seed ('9176', here 9176): it cannot resume these batches")
+    fresh.load_state_dict(good["position"])  # at a step: the trainer's states from before the reader API
     fresh.close()
+
+
+def test_a_cache_holding_another_version_of_its_dataset_is_refused_not_read(tmp_path):
+    """A local dataset read through a cache of its own (data.local): streaming copies its shards there and takes a
+    shard present as downloaded, so after the dataset is converted again the cache would be read as the new one."""
+    for name in ("first", "again"):
+        (tmp_path / name).mkdir()
+    data = tiny_splits(tmp_path / "first", 40, 8, seed=1)
+    config = DataConfig(remote=str(data), local=str(tmp_path / "cache"))
+    batches = TrainBatches(open_dataset(config), BatchPlan(8, 8, 1))
+    next(batches)  # the shards are copied into the cache
+    batches.close()
+    data.rename(tmp_path / "first" / "old")
+    tiny_splits(tmp_path / "again", 40, 8, seed=2).rename(data)  # converted again, in place
+    assert refusal(lambda: open_dataset(config)) == (
+        f"the cache {tmp_path / 'cache'} holds another version of {data} (its train/index.json differs from the "
+        f"dataset's): empty {tmp_path / 'cache'}, or give the data a cache folder of its own")

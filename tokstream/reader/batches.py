@@ -93,7 +93,7 @@ class TrainBatches:
         and block), before the first batch is taken; any other state is refused in one line."""
         if self._started:
             raise UserError("load_state_dict must come before the first micro-batch is taken")
-        self.loader.load_state_dict(checked_position(state, self._of))
+        self.loader.load_state_dict(checked_position(state, self._of, sum(self.epoch_samples)))
 
     def close(self) -> None:
         """End the epoch's iterator: its DataLoader workers exit, its shared ring is unmapped and its shared
@@ -129,8 +129,9 @@ def order_of(dataset: Dataset, plan: BatchPlan) -> dict:
             "block_size": dataset.metadata[0].block_size}
 
 
-def checked_position(state: object, order: dict) -> dict:
-    """Streaming's position from a state of batches in `order`; one line refusing anything else."""
+def checked_position(state: object, order: dict, epoch_size: int) -> dict:
+    """Streaming's position from a state of batches in `order` (epochs of `epoch_size` samples); one line refusing
+    anything else."""
     if not isinstance(state, dict) or not ("position" in state or set(state) == STREAMING_POSITION):
         keys = f"keys {', '.join(map(repr, state))}" if isinstance(state, dict) else f"a {type(state).__name__}"
         raise UserError(f"this is not a TrainBatches state ({keys}): give what TrainBatches.state_dict() returned "
@@ -149,11 +150,15 @@ def checked_position(state: object, order: dict) -> dict:
     if not isinstance(position, dict) or not STREAMING_POSITION <= set(position):
         raise UserError("the state's position is damaged (it lacks streaming's epoch and sample_in_epoch): it cannot "
                         "resume these batches")
+    epoch, sample = position["epoch"], position["sample_in_epoch"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, sample)) or sample > epoch_size:
+        raise UserError(f"the state's position is damaged (epoch {epoch!r}, sample {sample!r} of an epoch of "
+                        f"{epoch_size}): it cannot resume these batches")
     # The position itself carries streaming's seed and canonical nodes, which stock streaming would silently adopt.
-    saved.update({key: position[key] for key in ("shuffle_seed", "num_canonical_nodes")})
-    for key, value in saved.items():
-        if value != order[key]:
-            raise UserError(f"the state is of another {ORDER_WORDS[key]} ({value}, here {order[key]}): it cannot "
+    checked = [*saved.items(), *((key, position[key]) for key in ("shuffle_seed", "num_canonical_nodes"))]
+    for key, value in checked:
+        if value != order[key] or type(value) is not type(order[key]):
+            raise UserError(f"the state is of another {ORDER_WORDS[key]} ({value!r}, here {order[key]!r}): it cannot "
                             "resume these batches")
     return position
 

@@ -60,8 +60,29 @@ def fetch_index_files(source: Source, splits: tuple[str, ...]) -> Path:
             target.parent.mkdir(parents=True, exist_ok=True)
             temporary = target.with_name(f"{target.name}.{os.getpid()}.tmp")
             store.download(relative, temporary)
+            if relative != METADATA_FILE and target.exists() and target.read_bytes() != temporary.read_bytes():
+                temporary.unlink()
+                raise stale_cache(source, relative)
             os.replace(temporary, target)
     return root
+
+
+def stale_cache(source: Source, index: str) -> UserError:
+    """The cache holds shards of another version of the dataset: streaming would read them as this one's (a shard
+    file present in the cache is taken as downloaded)."""
+    return UserError(f"the cache {source.local} holds another version of {source.remote} (its {index} differs from "
+                     f"the dataset's): empty {source.local}, or give the data a cache folder of its own")
+
+
+def check_local_cache(source: Source, splits: tuple[str, ...]) -> None:
+    """A local dataset read through a cache of its own (streaming copies it there): the cache must be of this
+    version of it."""
+    if is_remote(source.remote) or not source.local or Path(source.local).resolve() == Path(source.remote).resolve():
+        return
+    for split in splits:
+        cached, original = Path(source.local, split, "index.json"), Path(source.remote, split, "index.json")
+        if cached.exists() and original.exists() and cached.read_bytes() != original.read_bytes():
+            raise stale_cache(source, f"{split}/index.json")
 
 
 @dataclass(frozen=True)
@@ -77,6 +98,11 @@ class Dataset:
     @property
     def source_names(self) -> list[str]:
         return [source.name for source in self.sources]
+
+    @property
+    def cache_roots(self) -> list[str]:
+        """Where each source's shards are read from: its cache, or a local dataset itself."""
+        return [os.path.abspath(local_root(source)) for source in self.sources]
 
     @property
     def cache_dirs(self) -> list[str]:
@@ -129,6 +155,7 @@ def open_dataset(config: DataConfig, vocab_size: int | None = None, block_size: 
     metadata, identities = [], []
     for source in sources:
         root = fetch_index_files(source, (config.split, config.val_split))
+        check_local_cache(source, (config.split, config.val_split))
         metadata.append(read_metadata(root))
         check_compatible(metadata[-1], vocab_size or metadata[-1].vocab_size, block_size or metadata[-1].block_size,
                          source.remote)

@@ -1,6 +1,7 @@
 """Training configuration: typed dataclasses loaded from YAML, with dotted key=value overrides."""
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,7 +236,7 @@ def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
 # Each numeric setting's range, checked once when a config is loaded (check_ranges): (lowest, whether the lowest
 # itself is allowed, highest or None, what the value means at the edge, if anything).
 RANGES = {
-    "max_steps": (1, True, None, ""), "global_batch_size": (1, True, None, ""), "micro_batch_size": (1, True, None, ""),
+    "seed": (0, True, 2**31, "each rank seeds with seed + its rank"), "max_steps": (1, True, None, ""), "global_batch_size": (1, True, None, ""), "micro_batch_size": (1, True, None, ""),
     "log_interval": (1, True, None, ""), "eval_interval": (0, True, None, "0 turns evaluation off"),
     "eval_batches": (1, True, None, ""), "checkpoint_interval": (1, True, None, ""),
     "keep_checkpoints": (0, True, None, "0 keeps every checkpoint"), "preempt_grace_s": (0, False, None, ""),
@@ -253,21 +254,29 @@ RANGES = {
 }
 
 
+# Settings where .inf means something: no deadline for the grace, no clipping at all.
+MAY_BE_INFINITE = ("preempt_grace_s", "optim.grad_clip")
+
+
 def check_ranges(config: TrainConfig) -> None:
     """Refuse, in one line naming it, a numeric setting outside its range (RANGES): a zero interval would divide
     by zero after the first step, with nothing saved."""
+    defaults = TrainConfig()
     for key, (lowest, inclusive, highest, meaning) in RANGES.items():
-        value = config
+        value, default = config, defaults
         for part in key.split("."):
-            value = getattr(value, part)
+            value, default = getattr(value, part), getattr(default, part)
         if value is None:
-            continue
+            if default is None:  # a setting whose default is None: unset
+                continue
+            raise UserError(f"{key} must be set, got null" + (f" ({meaning})" if meaning else ""))
         above = value >= lowest if inclusive else value > lowest
-        if above and (highest is None or value < highest):
+        if above and (highest is None or value < highest) and (math.isfinite(value) or key in MAY_BE_INFINITE):
             continue
         whole = isinstance(value, int)
         low = f"at least {lowest}" if inclusive else f"above {lowest}"
-        rule = f"{'a whole number ' if whole else ''}{low}" + (f" and below {highest}" if highest is not None else "")
+        rule = (f"{'a whole number ' if whole else 'a finite number ' if key not in MAY_BE_INFINITE else ''}{low}"
+                + (f" and below {highest}" if highest is not None else ""))
         raise UserError(f"{key} must be {rule}, got {value!r}" + (f" ({meaning})" if meaning else ""))
     if config.model.n_embd % config.model.n_head:
         raise UserError(f"model.n_embd {config.model.n_embd} is not a multiple of model.n_head {config.model.n_head}: "

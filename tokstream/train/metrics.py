@@ -25,10 +25,21 @@ def step_record(line: str) -> dict | None:
         return None
     if not isinstance(record, dict):
         return None
-    step, loss = record.get("step"), record.get("loss")
-    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(loss, (int, float)) or isinstance(loss, bool):
+    for key, kinds in RECORD_FIELDS.items():
+        if key not in record and key not in ("step", "loss"):
+            continue
+        value = record.get(key)
+        if not isinstance(value, kinds) or isinstance(value, bool):
+            return None
+    if ("ranks" in record) != ("nodes" in record):
         return None
     return record
+
+
+# What the readers of metrics.jsonl (the relaunch, the ledger, the plot) take from a step's line, and its type; step
+# and loss are in every line.
+RECORD_FIELDS = {"step": int, "loss": (int, float), "tokens": int, "phase": int, "ranks": int, "nodes": int,
+                 "val_loss": (int, float), "samples": list, "val_loss_per_source": dict, "data": str}
 
 
 def _records(text: str, where: object) -> list[tuple[str, dict | None]]:

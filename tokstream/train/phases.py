@@ -113,6 +113,7 @@ class Recipe:
                 except UserError as err:
                     raise UserError(f"{phase.name}: {err}" if config.phases else str(err)) from None
             datasets.append(opened[key])
+        check_caches_apart(phases, datasets)
         for phase, dataset in zip(phases[1:], datasets[1:]):
             difference = dataset.token_difference(datasets[0])
             if difference is not None:
@@ -261,6 +262,20 @@ class Recipe:
         data = dataset.config.remote or "a mixture of " + ", ".join(dataset.source_names)
         return (f"{phase.name} from step {phase.start_step}: global batch {phase.global_batch_size} "
                 f"(accumulation {self.plan(phase).accumulation}), block {self.block_size(phase)}, {data}")
+
+
+def check_caches_apart(phases: list[Phase], datasets: list[Dataset]) -> None:
+    """Two datasets cached in one folder (a phase's cache is data.local/<the dataset folder's name>, and two
+    datasets may share a name) would read each other's shards: refuse, naming the setting that parts them."""
+    cached: dict[str, tuple[str, Phase]] = {}
+    for phase, dataset in zip(phases, datasets):
+        for source, cache in zip(dataset.sources, dataset.cache_roots):
+            remote = source.remote.rstrip("/")
+            other = cached.setdefault(cache, (remote, phase))
+            if other[0] != remote:
+                raise UserError(f"{phase.name}'s data ({remote}) and {other[1].name}'s ({other[0]}) would share the "
+                                f"cache {cache} and read each other's shards: give {phase.name}.data.local a folder "
+                                "of its own")
 
 
 def _where(phase: Phase) -> str:

@@ -188,10 +188,18 @@ def stop_if_data_changed(run: Run, phase: Phase, step: int) -> None:
     problem = next(filter(None, run.dist.gather(run.recipe.changed_since_opened(phase))), None)
     if problem is None:
         return
+    # A phase that has started may have read the same data (a mixture holding it, or a phase going back to it): then
+    # a relaunch is refused too, as it would go on in data other than what those steps read.
+    started = [earlier for earlier in run.recipe.phases[:phase.index] if run.recipe.changed_since_opened(earlier)]
+    read_before = next(filter(None, run.dist.gather(started[0].name if started else None)), None)
     run.checkpointer.save(step)
     run.dist.close()
     if run.lease is not None:
         run.lease.release()
+    if read_before is not None:
+        raise UserError(f"{problem}; {read_before}, which has trained, read that data too, so the run cannot go on "
+                        f"with it: put the data back as it was (a checkpoint is saved at step {step}, before "
+                        f"{phase.name}), or use a new run_dir")
     raise UserError(f"{problem}; saved a checkpoint at step {step}, before {phase.name} starts: relaunch the same "
                     f"command to train {phase.name} on the data as it is now")
 
