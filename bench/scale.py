@@ -57,6 +57,7 @@ import json, os, resource, sys, time
 started = time.monotonic()
 root, samples, position, micro_batch, reader = (sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]),
                                                 sys.argv[5])
+algo, epoch = sys.argv[6], int(sys.argv[7])
 if reader == "project":
     from tokstream.cpu_dispatch import prefer_avx2_sort
     prefer_avx2_sort()  # as train/main.py does first
@@ -72,14 +73,14 @@ print(json.dumps({"start_s": time.monotonic() - started,
 sys.stdin.readline()  # every rank has imported: the reader's own time starts now, on all of them
 go = time.monotonic()
 if reader == "project":
-    loader = make_loader(DataConfig(remote=root), "train", micro_batch, shuffle=True, pin_memory=False,
-                         choose=[samples])
+    loader = make_loader(DataConfig(remote=root, shuffle_algo=algo), "train", micro_batch, shuffle=True,
+                         pin_memory=False, choose=[samples])
 else:  # the same settings as DataConfig's defaults
     dataset = StreamingDataset(streams=[Stream(local=root, split="train", choose=samples)], shuffle=True,
                                shuffle_seed=9176, num_canonical_nodes=1, batch_size=micro_batch)
     loader = StreamingDataLoader(dataset, batch_size=micro_batch, num_workers=0, drop_last=True)
-if position:
-    loader.load_state_dict({"epoch": 0, "sample_in_epoch": int(samples * position), "num_canonical_nodes": 1,
+if position or epoch:
+    loader.load_state_dict({"epoch": epoch, "sample_in_epoch": int(samples * position), "num_canonical_nodes": 1,
                             "shuffle_seed": 9176, "initial_physical_nodes": 1})
 next(iter(loader))
 print(json.dumps({"first_batch_s": time.monotonic() - go,
@@ -106,7 +107,8 @@ def shm_bytes() -> dict[str, int]:
     return {p.name: p.stat().st_size for p in Path("/dev/shm").iterdir() if p.is_file()}
 
 
-def run_ranks(root: Path, samples: int, ranks: int, position: float, reader: str) -> tuple[list[dict], int]:
+def run_ranks(root: Path, samples: int, ranks: int, position: float, reader: str, algo: str = "py1e",
+              epoch: int = 0) -> tuple[list[dict], int]:
     """Start `ranks` processes together; their reports and the shared memory they added."""
     from tokstream.testing.loopback_s3 import free_port
 
@@ -120,8 +122,8 @@ def run_ranks(root: Path, samples: int, ranks: int, position: float, reader: str
         if reader == "stock":  # stock's collate warns of the read-only arrays it gets, at every batch
             env["PYTHONWARNINGS"] = "ignore::UserWarning"
         processes.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(root), str(samples),
-                                           str(position), str(MICRO_BATCH), reader], env=env, stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, text=True))
+                                           str(position), str(MICRO_BATCH), reader, algo, str(epoch)], env=env,
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     reports = [json.loads(process.stdout.readline()) for process in processes]  # imported
     for process in processes:
         process.stdin.write("go\n")

@@ -49,15 +49,19 @@ class SampleOrder:
         while done < count:
             epoch, start = divmod((first + done) * self.global_batch_size, self.epoch_size)
             take = min(count - done, (self.epoch_size - start) // self.global_batch_size)
-            rows = self._rows_from(nodes, ranks_per_node, epoch, start)[:, :take * per_rank]
+            rows = self._rows_from(nodes, ranks_per_node, epoch, start, take)[:, :take * per_rank]
             read[done:done + take] = rows.reshape(ranks, take, per_rank).transpose(1, 0, 2)
             done += take
         return read
 
-    def _rows_from(self, nodes: int, ranks_per_node: int, epoch: int, start: int) -> np.ndarray:
-        """Each rank's rows from sample `start` of `epoch`: a slice of the last ones computed when they cover it
-        (computing them costs a pass over the epoch)."""
+    def _rows_from(self, nodes: int, ranks_per_node: int, epoch: int, start: int, steps: int) -> np.ndarray:
+        """Each rank's rows from sample `start` of `epoch`, at least `steps` steps of them: a slice of the last ones
+        computed when they cover it (in streaming's orders computing them costs a pass over the epoch; in the lazy
+        order each is computed alone)."""
         ranks = nodes * ranks_per_node
+        if internals.in_lazy_order(self._loader.dataset):  # each step computed alone, in O(its samples)
+            return internals.rank_orders(self._loader.dataset, nodes, ranks_per_node, epoch, start,
+                                         limit=self.global_batch_size // ranks * steps)
         if self._rows is not None:
             *layout, rows = self._rows
             if layout[:3] == [nodes, ranks_per_node, epoch] and start >= layout[3]:

@@ -36,7 +36,9 @@ streaming does not promise to keep:
 - `StreamingDataset._resume` and what it sets from a resume state: answered from the loading process's
   own copy (`ResumeStateKept`);
 - `generate_work` with `StreamingDataset.batching_method` and `_set_shuffle_block_size`: the epoch's
-  partition for any world, computed in one process (`rank_orders`, for train/ledger.py).
+  partition for any world, computed in one process (`rank_orders`, for train/ledger.py);
+- `StreamingDataset._get_work` and `_parallel_worker_world`: a dataset in the project's lazy shuffle gets its
+  worker's ids computed as they are read (`WindowedDownloadAhead._get_work`, lazy_order.py).
 
 To move to a new streaming version: read those names in its source, run the fast-reader and
 training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
@@ -387,6 +389,18 @@ class WindowedDownloadAhead(StreamingDataset):
         np.ndarray(sample_ids.shape, np.int64, buffer=data_shm.buf)[...] = sample_ids
         return shape_shm, data_shm
 
+    def _get_work(self, epoch: int, sample_in_epoch: int):
+        """Stock's, but for a dataset in the project's lazy shuffle the worker's ids are computed as they are read
+        (lazy_order.py): no array of the epoch's size, nothing in shared memory, no wait for the node's first rank."""
+        if not in_lazy_order(self):
+            return super()._get_work(epoch, sample_in_epoch)
+        world = self._parallel_worker_world
+        order, partition = lazy_order_of(self, world.num_nodes, world.ranks_per_node, world.workers_per_rank, epoch,
+                                         sample_in_epoch)
+        from tokstream.reader.lazy_order import LazyWorkerIds
+
+        return LazyWorkerIds(order, partition, world.node, world.rank_of_node, world.worker_of_rank)
+
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
         """Stock's, but a download that fails is undone, and a full disk evicts or is said as such.
 
@@ -527,14 +541,45 @@ def make_room(dataset: StreamingDataset, shard_id: int) -> None:
         return  # room for this shard, if not for every download in flight: try
 
 
+def in_lazy_order(dataset: StreamingDataset) -> bool:
+    """Whether the dataset reads in the project's lazy order: its shuffle, with streaming's random batching, orig or
+    relaxed partition, balanced sampling and no replication."""
+    from tokstream.reader.lazy_shuffle import NAME
+
+    return (bool(dataset.shuffle) and dataset.shuffle_algo == NAME and dataset.batching_method == "random"
+            and dataset.partition_algo in ("orig", "relaxed") and dataset.sampling_method == "balanced"
+            and not dataset.replication)
+
+
+def lazy_order_of(dataset: StreamingDataset, nodes: int, ranks_per_node: int, workers_per_rank: int, epoch: int,
+                  sample_in_epoch: int):
+    """The lazy order of the dataset's epoch and its partition over the world (lazy_order.py)."""
+    from tokstream.reader.lazy_order import LazyEpochOrder, lazy_partition
+
+    order = LazyEpochOrder(dataset.samples_per_shard, list(dataset.shards_per_stream),
+                           [stream.choose for stream in dataset.streams], dataset.shuffle_seed, epoch,
+                           dataset.num_canonical_nodes, dataset.shuffle_block_size)
+    partition = lazy_partition(dataset.partition_algo, dataset.epoch_size, dataset.num_canonical_nodes, nodes,
+                               ranks_per_node, workers_per_rank, dataset.batch_size, sample_in_epoch,
+                               dataset.initial_physical_nodes)
+    return order, partition
+
+
 def rank_orders(dataset: StreamingDataset, nodes: int, ranks_per_node: int, epoch: int,
-                sample_in_epoch: int) -> np.ndarray:
+                sample_in_epoch: int, limit: int | None = None) -> np.ndarray:
     """(ranks, samples): the ids each rank of `nodes` x `ranks_per_node` reads of `epoch` from `sample_in_epoch` on,
     in order, -1 past the end: the work a node's first rank computes (`_get_work`), for the whole world, with
     one worker per rank. More workers read the same ids, the rank's batches dealt out in turn, which the loader
-    takes back in turn; the batch size only places the -1 padding."""
+    takes back in turn; the batch size only places the -1 padding. In the lazy order, only the first `limit` of each
+    rank's are computed (all of them otherwise)."""
     world = World(num_nodes=nodes, ranks_per_node=ranks_per_node, workers_per_rank=1, worker=0)
     dataset._set_shuffle_block_size(world)  # what `_resume` does before the first epoch's work
+    if in_lazy_order(dataset):
+        from tokstream.reader.lazy_order import LazyWorkerIds
+
+        order, partition = lazy_order_of(dataset, nodes, ranks_per_node, 1, epoch, sample_in_epoch)
+        return np.stack([LazyWorkerIds(order, partition, node, rank, 0)[:limit] for node in range(nodes)
+                         for rank in range(ranks_per_node)])
     work = generate_work(dataset.batching_method, dataset, world, epoch, sample_in_epoch)
     return work.reshape(nodes * ranks_per_node, -1)
 
