@@ -151,7 +151,9 @@ def checked_position(state: object, order: dict, epoch_size: int) -> dict:
         raise UserError("the state's position is damaged (it lacks streaming's epoch and sample_in_epoch): it cannot "
                         "resume these batches")
     epoch, sample = position["epoch"], position["sample_in_epoch"]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, sample)) or sample > epoch_size:
+    whole = all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, sample))
+    # Epoch -1 at sample 0: streaming's state of a reader that has read nothing yet.
+    if not whole or epoch < -1 or sample < 0 or sample > epoch_size or (epoch == -1 and sample):
         raise UserError(f"the state's position is damaged (epoch {epoch!r}, sample {sample!r} of an epoch of "
                         f"{epoch_size}): it cannot resume these batches")
     # The position itself carries streaming's seed and canonical nodes, which stock streaming would silently adopt.
