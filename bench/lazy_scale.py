@@ -18,6 +18,7 @@ lazy_order.py) and "py1e" (streaming's default order, the project's reader), the
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -28,10 +29,19 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
-from scale import BLOCK, GLOBAL_BATCH, run_ranks  # noqa: E402
+
+def _scale():
+    """bench/scale.py, whose rank processes this benchmark starts as it does (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("scale", ROOT / "bench" / "scale.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+scale = _scale()
+BLOCK, GLOBAL_BATCH, run_ranks = scale.BLOCK, scale.GLOBAL_BATCH, scale.run_ranks
 
 SHARD_TOKENS = 32_000 * (BLOCK + 1)  # about 64 MB of uint16 tokens: one shard
 

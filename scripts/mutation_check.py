@@ -104,6 +104,25 @@ MUTATIONS = [
     Mutation("metrics: a line that is a list", "a damaged metrics line blocks neither the relaunch nor the ledger",
              "tokstream/train/metrics.py", "if not isinstance(record, dict):", "if False:",
              ("tests/test_ledger.py", "-k", "damaged_metrics")),
+    # Issue 42: the lazy order.
+    Mutation("lazy partition: a node's padding one sample late", "the lazy partition is streaming's, exactly",
+             "tokstream/reader/lazy_partition.py", "per_node - ranks - self.rank_padding + 1 + beyond",
+             "per_node - ranks - self.rank_padding + 2 + beyond",
+             ("tests/test_lazy_partition.py", "-k", "exhaustively")),
+    Mutation("lazy shuffle: no cycle walking", "every epoch of the lazy order is a permutation",
+             "tokstream/reader/lazy_shuffle.py", "walking &= out >= sizes", "walking[:] = False",
+             ("tests/test_lazy_shuffle.py", "-k", "permutation")),
+    Mutation("lazy order: the door reads it as stock would", "a worker reads its part of the lazy order",
+             "tokstream/reader/streaming_door/streaming_internals.py", "if not in_lazy_order(self):", "if True:",
+             ("tests/test_lazy_order.py", "-k", "itself")),
+    Mutation("lazy order: shards' counts not drawn", "an epoch of the lazy order holds each source's count",
+             "tokstream/reader/lazy_order.py",
+             'takes = rng.multivariate_hypergeometric(sizes, rest, method="marginals")',
+             "takes = np.minimum(sizes, rest)", ("tests/test_lazy_order.py", "-k", "count_once")),
+    # Issue 43: what is logged.
+    Mutation("logging: clipped said without clipping", "each step says whether its gradients were clipped",
+             "tokstream/train/trainer.py", '"clipped": 0 < config.optim.grad_clip < grad_norm',
+             '"clipped": grad_norm > 0', ("tests/test_training.py", "-k", "gradient_norm")),
 ]
 
 

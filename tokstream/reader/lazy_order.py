@@ -68,9 +68,9 @@ class LazyEpochOrder:
 
 
 class LazyWorkerIds:
-    """A worker's part of an epoch from sample_in_epoch on, as streaming's `_get_work` returns it (its sample ids,
-    -1 where streaming pads), each slice computed when asked for: `len()` and `[start:stop]` are all that the
-    door's download-ahead threads and yield loop use."""
+    """A worker's part of an epoch from sample_in_epoch on, as streaming hands a worker its work (its sample ids, -1
+    where streaming pads), each slice computed when asked for: `len()` and `[start:stop]` are all that the door's
+    download-ahead threads and yield loop use."""
 
     def __init__(self, order: LazyEpochOrder, partition: Partition | RelaxedPartition, node: int, rank: int,
                  worker: int):
