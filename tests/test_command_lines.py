@@ -36,3 +36,16 @@ def test_every_converter_option_is_in_the_options_table():
         assert shown.returncode == 0
         options = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", shown.stdout)) - {"--help"}
         assert options - listed == set(), f"{converter}: options docs/converting.md does not list"
+
+
+def test_a_reader_of_the_output_that_goes_away_ends_the_command_quietly(tmp_path):
+    """`convert/verify.py DATA | head -1`: the pipe closed before the command writes ends it with 141 (128 + SIGPIPE,
+    as a shell reports it) and no traceback."""
+    from test_training import tiny_splits
+
+    data = tiny_splits(tmp_path, 16, 8)
+    command = subprocess.Popen([sys.executable, str(ROOT / "convert/verify.py"), str(data)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    command.stdout.close()  # the reader is gone before anything is written
+    _, errors = command.communicate(timeout=120)
+    assert command.returncode == 141 and b"Traceback" not in errors, errors.decode()[-2000:]

@@ -324,3 +324,12 @@ def test_a_cache_holding_another_version_of_its_dataset_is_refused_not_read(tmp_
     assert refusal(lambda: open_dataset(config)) == (
         f"the cache {tmp_path / 'cache'} holds another version of {data} (its train/index.json differs from the "
         f"dataset's): empty {tmp_path / 'cache'}, or give the data a cache folder of its own")
+
+
+def test_a_shuffle_streaming_does_not_know_is_refused_when_the_data_is_opened(mixture):
+    """A typo would reach streaming only in the first epoch's order, a KeyError in a DataLoader worker."""
+    import dataclasses
+
+    assert refusal(lambda: open_dataset(dataclasses.replace(mixture, shuffle_algo="feistel"))) == (
+        "data.shuffle_algo='feistel' is not a shuffle streaming knows: give one of feistel_window, naive, py1br, py1e, "
+        "py1s, py2s")

@@ -3,6 +3,7 @@
 import argparse
 import errno
 import os
+import select
 import signal
 import sys
 from collections.abc import Callable
@@ -82,6 +83,12 @@ def run_cli(main: Callable[[], int | None], *, sigterm_interrupts: bool = True, 
     except NoSpace as err:
         _say(f"error: {err}")
         sys.exit(2)
+    except BrokenPipeError:
+        if not _stdout_gone():  # another pipe (a socket, a child's stdin) broke: not this command's reader
+            raise
+        # The reader of the output went away (`| head`): nothing more to say to it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)  # 128 + SIGPIPE, as a shell reports a command a closed pipe ended
     except OSError as err:
         if not out_of_space(err):
             raise
@@ -93,6 +100,16 @@ def run_cli(main: Callable[[], int | None], *, sigterm_interrupts: bool = True, 
             _say(interrupted)
         sys.exit(130)
     sys.exit(status or 0)
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 def _say(line: str) -> None:

@@ -12,6 +12,7 @@ from tokstream.reader import mixture
 from tokstream.reader.batch_plan import BatchPlan
 from tokstream.reader.config import DataConfig
 from tokstream.reader.mixture import Source
+from tokstream.reader.streaming_door.streaming_internals import shuffle_names
 from tokstream.split_check import check_split, dataset_identity
 
 
@@ -151,6 +152,9 @@ class Dataset:
 def open_dataset(config: DataConfig, vocab_size: int | None = None, block_size: int | None = None) -> Dataset:
     """Fetch each source's index files (once, when remote) and check them; refuse a dataset that does not fit
     the model (`vocab_size`, `block_size`: a model's, when given), or sources that do not fit each other."""
+    if config.shuffle_algo not in shuffle_names():  # else a KeyError in a DataLoader worker, at the first epoch
+        raise UserError(f"data.shuffle_algo={config.shuffle_algo!r} is not a shuffle streaming knows: give one of "
+                        f"{', '.join(shuffle_names())}")
     sources = mixture.sources(config)
     metadata, identities = [], []
     for source in sources:

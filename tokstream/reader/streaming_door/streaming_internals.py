@@ -124,6 +124,13 @@ def install_epoch_order(get_sampling, get_shuffle_py1e, generate_work_random) ->
     streaming_batching_module.batching_methods["random"] = generate_work_random  # and of batching methods
 
 
+def shuffle_names() -> list[str]:
+    """The shuffle algorithms streaming knows (data.shuffle_algo), the project's own included."""
+    from tokstream.reader.lazy_shuffle import NAME
+
+    return sorted({*streaming_shuffle_module.algos, NAME})
+
+
 def install_shuffle(name: str, get_shuffle_function) -> None:
     """Register a shuffle of the project's under its own name in streaming's registry (install() does), so that
     any StreamingDataset given shuffle_algo=name reads in that order; stock's own algorithms stay as they are."""
