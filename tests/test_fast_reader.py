@@ -419,3 +419,39 @@ def test_dataloader_workers_end_with_their_loader_and_with_their_rank(dataset, t
         for pid in [rank.pid, *workers]:  # nothing left behind if the test fails
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+FAILING_ORDER_SCRIPT = """
+import sys
+from tokstream.reader.batches import make_loader
+from tokstream.reader.config import DataConfig
+from tokstream.reader.streaming_door.streaming_internals import install_shuffle
+
+def failing(*args, **kwargs):
+    raise RuntimeError("the epoch's order failed")
+
+install_shuffle("fails", failing)  # forked workers inherit it: the first worker fails building the order
+loader = make_loader(DataConfig(remote=sys.argv[1], shuffle_algo="fails", num_workers=2), "train", 4, shuffle=True,
+                     pin_memory=False)
+next(iter(loader))
+"""
+
+
+def test_a_worker_that_fails_building_the_order_ends_the_rank_not_hangs_it(dataset, tmp_path):
+    """The first worker of a node builds the epoch's order while the second waits in streaming for it. When building
+    fails, the rank raises and exits; the waiting worker, which ignores SIGTERM, used to keep the rank's exit waiting
+    for it for ever (seen with a mistyped shuffle, before that was refused at start)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    rank = subprocess.Popen([sys.executable, "-c", FAILING_ORDER_SCRIPT, str(fresh_copy(dataset, tmp_path, "ds"))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        _, errors = rank.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        rank.kill()
+        raise AssertionError("the rank hung at exit behind its waiting DataLoader worker") from None
+    assert rank.returncode != 0 and "the epoch's order failed" in errors, errors[-2000:]

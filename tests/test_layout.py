@@ -20,7 +20,7 @@ STREAMING_PRIVATE_NAMES = {
     "_resume", "_get_work", "_parallel_worker_world",
 }
 # torch's, not streaming's: the DataLoader iterator's own shutdown (token_loader.py, at exit).
-TORCH_PRIVATE_NAMES = {"_shutdown_workers"}
+TORCH_PRIVATE_NAMES = {"_shutdown_workers", "_workers"}
 STREAMING_PRIVATE = re.compile(r"streaming\.base|\bTICK\b|" + "|".join(
     rf"\b{name}\b" for name in sorted(STREAMING_PRIVATE_NAMES)))
 # This test, and the stock reference process and its test, which check by these names that streaming is as shipped.

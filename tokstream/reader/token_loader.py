@@ -74,6 +74,12 @@ def _end_workers() -> None:
         if (ring := getattr(batches, "transfer_ring", None)) is not None:
             ring.close()  # a worker waiting for a slot would not see the DataLoader's end
         batches._shutdown_workers()
+        for worker in getattr(batches, "_workers", []):
+            # Still there: waiting in streaming for a worker that failed (its epoch order never comes), where it sees
+            # neither the DataLoader's end nor the SIGTERM it ignores. The rank is exiting: nothing it does matters.
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=10)
 
 
 def _as_the_worker_said(err: Exception) -> Exception:
