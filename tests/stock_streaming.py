@@ -50,10 +50,14 @@ def replaced_in_streaming() -> list[str]:
     import streaming.base.shuffle as shuffle
     import streaming.base.shuffle.py1e
     import streaming.base.spanner
+    import streaming.base.format
+    import streaming.base.stream
 
     originals = {  # where streaming's code looks each one up -> what streaming defines there
         "streaming.base.dataset.get_sampling": (dataset.get_sampling, streaming.base.sampling.get_sampling),
         "streaming.base.dataset.Spanner": (dataset.Spanner, streaming.base.spanner.Spanner),
+        "streaming.base.stream.reader_from_json": (streaming.base.stream.reader_from_json,
+                                                   streaming.base.format.reader_from_json),
         "streaming.base.dataset.get_shm_prefix": (dataset.get_shm_prefix, streaming.base.shared.prefix.get_shm_prefix),
         "streaming.base.dataset.FileLock": (dataset.FileLock, filelock.FileLock),
         "streaming.base.shared.barrier.FileLock": (streaming.base.shared.barrier.FileLock, filelock.FileLock),

@@ -8,6 +8,7 @@ a process of its own (tests/stock_streaming.py).
 """
 
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,4 +226,35 @@ def test_the_lean_spanner_is_streamings_and_is_the_one_datasets_build(mds_stream
         assert [lean[i] for i in samples] == [stock[i] for i in samples]
     dataset = StreamingDataset(local=mds_streams[1], batch_size=1)
     assert type(dataset.spanner) is LeanSpanner
+    del dataset
+
+
+def test_the_lean_shard_readers_are_streamings_and_are_the_ones_datasets_build(mds_streams, tmp_path):
+    """Each shard's reader built from its index entry without deepcopy: the same fields as stock's (for streaming's
+    own MDSWriter's shards and the project's), the entry left as it was, and stock's refusals kept."""
+    import json
+
+    from streaming import StreamingDataset
+
+    from tokstream.reader.streaming_door.lean_readers import reader_from_json
+    from tokstream.reader.streaming_door.streaming_internals import stock_reader_from_json
+    from test_training import tiny_splits
+
+    compressed = tiny_splits(tmp_path, 40, 8)
+    indexes = [Path(root, "index.json") for root in mds_streams] + [compressed / "train" / "index.json"]
+    for index in indexes:
+        for entry in json.loads(index.read_text())["shards"]:
+            kept = json.dumps(entry)
+            ours, theirs = reader_from_json(str(index.parent), None, entry), stock_reader_from_json(str(index.parent),
+                                                                                                   None, entry)
+            assert type(ours) is type(theirs) and vars(ours) == vars(theirs)
+            assert json.dumps(entry) == kept  # the index entry is not changed
+    for damage in ({"version": 1}, {"format": "xsv"}):
+        entry = {**json.loads(indexes[0].read_text())["shards"][0], **damage}
+        with pytest.raises((ValueError, AssertionError, KeyError)) as ours:
+            reader_from_json("x", None, entry)
+        with pytest.raises(type(ours.value)):
+            stock_reader_from_json("x", None, entry)
+    dataset = StreamingDataset(local=mds_streams[1], batch_size=1)
+    assert [dataset[i]["x"] for i in range(97)] == list(range(97))
     del dataset

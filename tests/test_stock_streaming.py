@@ -21,6 +21,7 @@ from stock_streaming import replaced_in_streaming
 THE_PROJECTS = {
     "streaming.base.dataset.get_sampling",
     "streaming.base.dataset.Spanner",
+    "streaming.base.stream.reader_from_json",
     "streaming.base.dataset.get_shm_prefix",
     "streaming.base.dataset.FileLock",
     "streaming.base.shared.barrier.FileLock",

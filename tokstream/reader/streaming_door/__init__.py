@@ -4,8 +4,8 @@ or replaces its module attributes, lives in this package and nowhere else (tests
 - streaming_import.py: `import streaming` without transformers and torchvision until they are used.
 - streaming_internals.py: the private names relied on, checked against the streaming versions it
   names (CHECKED_VERSIONS); WindowedDownloadAhead, the StreamingDataset the reader's dataset extends.
-- epoch_order.py, lean_spanner.py, prefix_registration.py: equal, faster replacements for streaming's
-  epoch order, sample-to-shard lookup and shared-memory numbering; install() also registers the project's
+- epoch_order.py, lean_spanner.py, lean_readers.py, prefix_registration.py: equal, faster replacements for
+  streaming's epoch order, sample-to-shard lookup, per-shard readers and shared-memory numbering; install() also registers the project's
   own shuffle (tokstream/reader/lazy_shuffle.py) under its name, beside stock's.
 
 Importing any of it changes nothing in streaming. `install()` puts the replacements in place, for
@@ -24,12 +24,13 @@ def install() -> None:
     if _installed:
         return
     _installed = True
-    from tokstream.reader.streaming_door import epoch_order, lean_spanner, prefix_registration
+    from tokstream.reader.streaming_door import epoch_order, lean_readers, lean_spanner, prefix_registration
     from tokstream.reader.streaming_door import streaming_internals as internals
 
     internals.install_epoch_order(epoch_order.get_sampling_vectorized, epoch_order.get_shuffle_py1e_fast,
                                   epoch_order.generate_work_random)
     internals.install_spanner(lean_spanner.LeanSpanner)
+    internals.install_reader_from_json(lean_readers.reader_from_json)
     from tokstream.reader import lazy_shuffle
 
     internals.install_shuffle(lazy_shuffle.NAME, lazy_shuffle.get_shuffle_feistel_window)

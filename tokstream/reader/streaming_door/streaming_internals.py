@@ -24,6 +24,8 @@ streaming does not promise to keep:
 - `streaming.base.dataset.FileLock` and `streaming.base.shared.barrier.FileLock`, the names a dataset
   creates its barrier's and cache's file locks from (`_shared_barrier.lock`, `_cache_filelock`; the
   barrier's own in streaming-community 0.14): PromptFileLock in their place (`install_file_lock`);
+- `streaming.base.stream.reader_from_json`, which Stream.get_shards builds each shard's reader with:
+  replaced (`install_reader_from_json`) by lean_readers.py's, the same readers without deepcopy;
 - `streaming.base.dataset.Spanner`, the class a dataset builds its sample-to-shard lookup from:
   replaced (`install_spanner`) by lean_spanner.py's subclass, the same fields built without an
   array of every sample;
@@ -64,6 +66,7 @@ from streaming.base.batching import generate_work
 import streaming.base.dataset as streaming_dataset_module
 import streaming.base.shared.barrier as streaming_barrier_module
 import streaming.base.shuffle as streaming_shuffle_module
+import streaming.base.stream as streaming_stream_module
 from streaming import StreamingDataset
 from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, EPOCH_DATA, EPOCH_SHAPE, LOCALS, SHM_TO_CLEAN, TICK
 from streaming.base.batching.random import generate_work_random_batching  # noqa: F401  (tests)
@@ -77,6 +80,9 @@ from streaming.base.shuffle import get_shuffle  # noqa: F401  (epoch_order.py, t
 from streaming.base.shuffle.py1e import get_shuffle_py1e as stock_get_shuffle_py1e  # noqa: F401  (tests)
 from streaming.base.shuffle.py1s import divide_spans  # noqa: F401  (epoch_order.py)
 from streaming.base.spanner import Spanner  # noqa: F401  (lean_spanner.py)
+from streaming.base.format import FileInfo  # noqa: F401  (lean_readers.py)
+from streaming.base.format import reader_from_json as stock_reader_from_json  # noqa: F401  (lean_readers.py)
+from streaming.base.format.mds.reader import MDSReader  # noqa: F401  (lean_readers.py)
 from streaming.base.world import World
 from torch.utils.data import get_worker_info
 
@@ -137,6 +143,11 @@ def install_shuffle(name: str, get_shuffle_function) -> None:
     if name in streaming_shuffle_module.algos and streaming_shuffle_module.algos[name] is not get_shuffle_function:
         raise RuntimeError(f"streaming already has a shuffle named {name!r}")
     streaming_shuffle_module.algos[name] = get_shuffle_function
+
+
+def install_reader_from_json(reader_from_json) -> None:
+    """Make datasets built from now on build their shards' readers with lean_readers.py's (install() does)."""
+    streaming_stream_module.reader_from_json = reader_from_json  # the name Stream.get_shards calls
 
 
 def install_spanner(spanner_class) -> None:
