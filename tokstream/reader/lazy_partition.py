@@ -130,13 +130,7 @@ class Partition:
 
     def full(self) -> np.ndarray:
         """Every node, rank and worker's ids: stock's array, for tests (O(samples), as stock is)."""
-        out = np.empty(self.shape, np.int64)
-        for node in range(self.num_physical_nodes):
-            for rank in range(self.ranks_per_node):
-                for worker in range(self.workers_per_rank):
-                    out[node, rank, worker] = self.ids(node, rank, worker).reshape(self.batches_per_worker,
-                                                                                  self.batch_size)
-        return out
+        return full_array(self)
 
 
 @dataclass(frozen=True)
@@ -194,9 +188,15 @@ class RelaxedPartition:
 
     def full(self) -> np.ndarray:
         """Every node, rank and worker's ids: stock's array, for tests."""
-        out = np.empty(self.shape, np.int64)
-        for node in range(self.num_physical_nodes):
-            for rank in range(self.ranks_per_node):
-                for worker in range(self.workers_per_rank):
-                    out[node, rank, worker] = self.ids(node, rank, worker).reshape(self.shape[3], self.batch_size)
-        return out
+        return full_array(self)
+
+
+def full_array(partition: Partition | RelaxedPartition) -> np.ndarray:
+    """The partition as stock's array (nodes, ranks, workers, batches, batch), from its ids()."""
+    out = np.empty(partition.shape, np.int64)
+    nodes, ranks, workers, batches, batch = partition.shape
+    for node in range(nodes):
+        for rank in range(ranks):
+            for worker in range(workers):
+                out[node, rank, worker] = partition.ids(node, rank, worker).reshape(batches, batch)
+    return out

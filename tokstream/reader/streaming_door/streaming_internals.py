@@ -574,9 +574,15 @@ def lazy_order_of(dataset: StreamingDataset, nodes: int, ranks_per_node: int, wo
     """The lazy order of the dataset's epoch and its partition over the world (lazy_order.py)."""
     from tokstream.reader.lazy_order import LazyEpochOrder, lazy_partition
 
-    order = LazyEpochOrder(dataset.samples_per_shard, list(dataset.shards_per_stream),
-                           [stream.choose for stream in dataset.streams], dataset.shuffle_seed, epoch,
-                           dataset.num_canonical_nodes, dataset.shuffle_block_size)
+    # The last epoch's order is kept: the ledger asks step after step of one epoch, and its set-up is O(shards).
+    kept = getattr(dataset, "_tokstream_lazy_order", None)
+    if kept is not None and kept[0] == (epoch, dataset.shuffle_block_size):
+        order = kept[1]
+    else:
+        order = LazyEpochOrder(dataset.samples_per_shard, list(dataset.shards_per_stream),
+                               [stream.choose for stream in dataset.streams], dataset.shuffle_seed, epoch,
+                               dataset.num_canonical_nodes, dataset.shuffle_block_size)
+        dataset._tokstream_lazy_order = ((epoch, dataset.shuffle_block_size), order)
     partition = lazy_partition(dataset.partition_algo, dataset.epoch_size, dataset.num_canonical_nodes, nodes,
                                ranks_per_node, workers_per_rank, dataset.batch_size, sample_in_epoch,
                                dataset.initial_physical_nodes)
