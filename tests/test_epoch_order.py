@@ -16,7 +16,7 @@ import pytest
 from tokstream.reader.streaming_door import epoch_order
 from tokstream.reader.streaming_door.epoch_order import generate_work_random, get_sampling_vectorized, get_shuffle_py1e_fast
 from tokstream.reader.streaming_door.epoch_order import permutation_tail
-from tokstream.reader.streaming_door.streaming_internals import epoch_order_in_force, generate_work
+from tokstream.reader.streaming_door.streaming_internals import epoch_order_in_force, generate_work, worker_ids
 from tokstream.reader.streaming_door.streaming_internals import World, get_shuffle, stock_get_sampling
 from tokstream.reader.streaming_door.streaming_internals import stock_get_shuffle_py1e as get_shuffle_py1e
 from stock_streaming import EveryOtherSample, configure, streaming_dataset
@@ -128,9 +128,11 @@ def mds_streams(tmp_path_factory) -> list[str]:
 
 
 @pytest.mark.parametrize("chunk", [epoch_order.CHUNK, 97])  # 97: the lookups in many chunks, on threads
-def test_the_lean_random_batching_is_streamings_and_is_the_one_in_force(mds_streams, stock, monkeypatch, chunk):
+def test_the_lean_random_batching_is_streamings_and_is_the_one_in_force(mds_streams, stock, monkeypatch, chunk,
+                                                                      tmp_path):
     """The whole epoch's order as the local leader computes it (nodes, ranks, workers, batches), for mixtures
-    weighted each way, every shuffle algorithm and none, resumed anywhere, on several nodes."""
+    weighted each way, every shuffle algorithm and none, resumed anywhere, on several nodes; and each worker's part
+    of it read from the epoch's order file (order_files.py), built once per epoch and settings and mapped."""
     assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_fast, generate_work_random)
     monkeypatch.setattr(epoch_order, "CHUNK", chunk)
     mixtures = [dict(local=mds_streams[2]),
@@ -168,6 +170,14 @@ def test_the_lean_random_batching_is_streamings_and_is_the_one_in_force(mds_stre
                 continue
             np.testing.assert_array_equal(got, stocks, err_msg=str(mixture) + str(case))
             assert got.dtype == stocks.dtype
+            if dataset.shuffle:
+                dataset.order_dir = str(tmp_path / "orders")
+                nodes, ranks, workers = case["world"][:3]
+                each = [(node, rank, worker) for node in range(nodes) for rank in range(ranks) for worker in range(workers)]
+                from_file = worker_ids(dataset, nodes, ranks, workers, case["epoch"], case["sample_in_epoch"], each)
+                for (node, rank, worker), ids in zip(each, from_file):
+                    np.testing.assert_array_equal(ids[:], stocks[node, rank, worker].reshape(-1), err_msg=str(case))
+                dataset.order_dir = None
         assert refused < len(cases) // 2  # most cases are orders, compared
         for index, resample in enumerate(resamples):
             configure(dataset, resample["settings"])

@@ -19,10 +19,11 @@ from tokstream.errors import UserError
 from tokstream.reader import mixture
 from tokstream.reader.config import DataConfig
 from tokstream.reader.batch_plan import BatchPlan
-from tokstream.reader.dataset import Dataset, is_remote, local_root, val_split_holds_a_batch, vocab_size
+from tokstream.reader.dataset import OLD_DEFAULT_ALGO, Dataset, is_remote, local_root, val_split_holds_a_batch, vocab_size
 from tokstream.reader.documents import document_structure
 from tokstream.reader.mixture import Source
 from tokstream.reader.token_dataset import TokenDataset
+from tokstream.reader.streaming_door.streaming_internals import shuffle_names
 from tokstream.reader.token_loader import TokenLoader
 
 
@@ -58,6 +59,7 @@ class TrainBatches:
         config = dataset.config
         self.epoch_samples = dataset.epoch_samples(plan)  # per source
         self._of = order_of(dataset, plan)
+        self._shuffle_by_size = dataset.shuffle_by_size
         self.loader = make_loader(config, config.split, plan.micro_batch_size, shuffle=True, pin_memory=pin_memory,
                                   choose=self.epoch_samples, sources=dataset.sources, reuse_slots=reuse_buffers,
                                   vocab_sizes=[m.vocab_size for m in dataset.metadata])
@@ -93,6 +95,10 @@ class TrainBatches:
         and block), before the first batch is taken; any other state is refused in one line."""
         if self._started:
             raise UserError("load_state_dict must come before the first micro-batch is taken")
+        if self._shuffle_by_size:  # data.shuffle_algo: auto keeps the order the state was read in
+            saved = state.get("shuffle_algo", OLD_DEFAULT_ALGO) if isinstance(state, dict) else None
+            if saved in shuffle_names() and saved != self._of["shuffle_algo"]:
+                self._of["shuffle_algo"] = self.loader.dataset.shuffle_algo = saved
         self.loader.load_state_dict(checked_position(state, self._of, sum(self.epoch_samples)))
 
     def close(self) -> None:
@@ -271,6 +277,7 @@ def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, 
             predownload=predownload(config, batch_size), download_retry=config.download_retry,
             vocab_sizes=vocab_sizes or [vocab_size(source, split) for source in sources],
         )
+        dataset.order_dir = config.order_dir if shuffle else None
     except ValueError as err:  # streaming's word on a bad setting, e.g. a cache_limit below 4 shards
         raise UserError(f"data ({split}): {err}") from None
     workers = config.num_workers if num_workers is None else num_workers

@@ -26,8 +26,15 @@ class DataConfig:
     split: str = "train"
     val_split: str = "val"
     shuffle_seed: int = 9176
-    shuffle_algo: str = "py1e"
+    # "auto": streaming's py1e for a train split under lazy_order_from samples (kept as files: order_dir), the lazy
+    # order (feistel_window, docs/scale.md) from there on; a run keeps the order it started in.
+    shuffle_algo: str = "auto"
+    lazy_order_from: int = 1 << 24
     shuffle_block_size: int | None = None
+    # Where streaming's epoch orders are kept as files, built once per epoch and mapped by every rank and relaunch
+    # (streaming_door/order_files.py; the trainer's default: the run's orders/). None: each node's first rank
+    # computes each epoch's order in memory, as stock streaming does.
+    order_dir: str | None = None
     # Fixed, not derived from the cluster: the global sample order depends on it, so keeping it
     # constant is what lets a run resume on a different number of nodes and ranks.
     num_canonical_nodes: int = 1

@@ -1,6 +1,7 @@
 """A converted dataset (or a mixture's sources) opened for reading: index files fetched, checked against
 the metadata and the model, and its identity (a resumed run must read the very same samples)."""
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ class Dataset:
     metadata: list[DatasetMetadata]  # per source
     identity: str  # of the train split(s): a resumed run must read the very same samples
     source_identities: tuple[str, ...] = ()  # each source's own, in sources' order
+    shuffle_by_size: bool = False  # config.shuffle_algo was chosen by `auto`: a state's own order is taken instead
 
     @property
     def source_names(self) -> list[str]:
@@ -152,9 +154,9 @@ class Dataset:
 def open_dataset(config: DataConfig, vocab_size: int | None = None, block_size: int | None = None) -> Dataset:
     """Fetch each source's index files (once, when remote) and check them; refuse a dataset that does not fit
     the model (`vocab_size`, `block_size`: a model's, when given), or sources that do not fit each other."""
-    if config.shuffle_algo not in shuffle_names():  # else a KeyError in a DataLoader worker, at the first epoch
-        raise UserError(f"data.shuffle_algo={config.shuffle_algo!r} is not a shuffle streaming knows: give one of "
-                        f"{', '.join(shuffle_names())}")
+    if config.shuffle_algo not in (AUTO_SHUFFLE, *shuffle_names()):  # else a KeyError in a DataLoader worker
+        raise UserError(f"data.shuffle_algo={config.shuffle_algo!r} is not a shuffle streaming knows: give "
+                        f"{AUTO_SHUFFLE} or one of {', '.join(shuffle_names())}")
     sources = mixture.sources(config)
     metadata, identities = [], []
     for source in sources:
@@ -170,7 +172,26 @@ def open_dataset(config: DataConfig, vocab_size: int | None = None, block_size: 
             check_split(root, split, metadata[-1], source.remote.rstrip("/"), local_files=not is_remote(source.remote))
         identities.append(dataset_identity(root, config.split))
     mixture.check_same_tokens(sources, metadata)
-    return Dataset(config, sources, metadata, mixture.identity(identities), tuple(identities))
+    by_size = config.shuffle_algo == AUTO_SHUFFLE
+    if by_size:
+        config = dataclasses.replace(config, shuffle_algo=algo_for_size(config, [
+            m.splits[config.split].samples for m in metadata]))
+    return Dataset(config, sources, metadata, mixture.identity(identities), tuple(identities), by_size)
+
+
+# data.shuffle_algo's default: each dataset's order chosen by its size (algo_for_size).
+AUTO_SHUFFLE = "auto"
+# What a state that does not say its shuffle was read in: streaming's default, this project's until `auto`.
+OLD_DEFAULT_ALGO = "py1e"
+
+
+def algo_for_size(config: DataConfig, split_samples: list[int]) -> str:
+    """`auto`'s choice: streaming's py1e (its own order, kept as files when data.order_dir is set) below
+    data.lazy_order_from samples in the train split, where computing it costs a node a second or so an epoch; the
+    lazy order from there on, whose start-up does not grow with the data (docs/scale.md)."""
+    from tokstream.reader.lazy_shuffle import NAME
+
+    return NAME if sum(split_samples) >= config.lazy_order_from else OLD_DEFAULT_ALGO
 
 
 def val_split_holds_a_batch(samples: int, world_size: int, micro_batch_size: int) -> bool:

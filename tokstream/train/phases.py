@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from tokstream.errors import UserError
 from tokstream.reader import BatchPlan, DataConfig, Dataset, open_dataset
 from tokstream.train.config import PhaseData, TrainConfig
+from tokstream.train.run_store import run_orders_dir
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,9 @@ class Recipe:
     @classmethod
     def open(cls, config: TrainConfig, world_size: int) -> "Recipe":
         """Open every phase's data at start, so that a missing or unfit dataset of a late phase is said now."""
+        if config.data.order_dir is None:  # streaming's orders kept as files the run's relaunches map (order_files.py)
+            config = dataclasses.replace(config, data=dataclasses.replace(config.data, order_dir=str(
+                run_orders_dir(config.run_dir, config.run_local))))
         phases = resolve_phases(config)
         vocab, block = config.model.vocab_size, config.model.block_size
         opened: dict[str, Dataset] = {}

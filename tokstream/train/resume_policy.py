@@ -16,6 +16,7 @@ import dataclasses
 from fnmatch import fnmatch
 
 from tokstream.errors import UserError
+from tokstream.reader import AUTO_SHUFFLE
 from tokstream.train.config import TrainConfig, config_from_dict
 from tokstream.train.phases import Phase, resolve_phases, started
 
@@ -24,7 +25,7 @@ FREE = ("run_dir", "run_local", "log_interval", "eval_interval", "eval_batches",
         "device", "compile", "deterministic", "micro_batch_size",
         "data.remote", "data.local", "data.val_split", "data.num_workers", "data.prefetch_factor",
         "data.predownload", "data.cache_limit", "data.validate_hash", "data.download_retry",
-        "data.clean_stale_shared_memory", "data.max_documents", "data.streams.*.remote", "data.streams.*.local", "data.streams.*.name")
+        "data.clean_stale_shared_memory", "data.max_documents", "data.order_dir", "data.streams.*.remote", "data.streams.*.local", "data.streams.*.name")
 FIXED = {
     "model.*": "the checkpoint's weights have the saved architecture",
     "global_batch_size": "each step's samples and the LR schedule's steps depend on it",
@@ -55,6 +56,15 @@ def _decay_steps(config: dict) -> int:
 # With phases, what each phase reads is compared phase by phase (check_phases), not as the run's settings.
 PHASE_SETTINGS = ("phases.*", "global_batch_size", "data.remote", "data.local", "data.split", "data.val_split",
                   "data.streams.*")
+
+
+def keep_run_order(config: TrainConfig, saved: dict) -> TrainConfig:
+    """`config` with the run's own data.shuffle_algo where this launch says `auto` and the run started in a named one
+    (before `auto` was the default, py1e was): `auto` never changes a run's order."""
+    algo = saved["data"].get("shuffle_algo", AUTO_SHUFFLE)
+    if config.data.shuffle_algo != AUTO_SHUFFLE or algo == AUTO_SHUFFLE:
+        return config
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, shuffle_algo=algo))
 
 
 def check_relaunch(saved: dict, config: TrainConfig, step: int) -> list[str]:

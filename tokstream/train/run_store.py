@@ -140,6 +140,14 @@ def default_run_local(run_dir: str) -> Path:
     return Path(tempfile.gettempdir()) / "tokstream-runs" / digest
 
 
+def run_orders_dir(run_dir: str, run_local: str | None) -> Path:
+    """Where a run keeps its epochs' orders as files (data.order_dir by default): in run_dir, or for an S3 run in
+    its node-local run_local, where every relaunch on the node maps them."""
+    if is_s3(run_dir):
+        return (Path(run_local) if run_local else default_run_local(run_dir)) / "orders"
+    return Path(run_dir) / "orders"
+
+
 def open_run_store(run_dir: str, run_local: str | None, check_writable: bool = True) -> RunStore:
     """The store for `run_dir` (a path or s3://bucket/prefix); S3 is checked before any work."""
     if is_s3(run_dir):

@@ -29,7 +29,7 @@ from tokstream.train.model import GPT, peak_bf16_flops
 from tokstream.train.phased_batches import PhasedBatches
 from tokstream.train.phases import Phase, Recipe
 from tokstream.train.preemption import PreemptionWatch
-from tokstream.train.resume_policy import check_relaunch
+from tokstream.train.resume_policy import check_relaunch, keep_run_order
 from tokstream.train.run_lease import RunLease
 from tokstream.train.rng import RankRNG
 from tokstream.train.run_store import RunStore, S3RunStore, open_run_store
@@ -89,6 +89,9 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
     recipe.check_plans(saved["progress"]["step"] if saved is not None else 0)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
         old = saved["run"]
+        kept = keep_run_order(config, old["config"])
+        if kept is not config:  # data.shuffle_algo: auto, in a run that started in a named order
+            config, recipe = kept, Recipe.open(kept, dist.world)
         if saved["progress"]["step"] > config.max_steps:
             raise UserError(f"max_steps={config.max_steps} is below the step of {checkpoint_url}, "
                             f"{saved['progress']['step']}: raise max_steps, or point run_dir elsewhere")

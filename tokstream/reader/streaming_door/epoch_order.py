@@ -208,6 +208,16 @@ def generate_work_random(dataset, world, epoch: int, sample_in_epoch: int) -> np
         raise RuntimeError("`num_canonical_nodes` can never be None. Provide a positive integer.")
     if not isinstance(dataset.batch_size, int):
         raise TypeError(f"Batch size must be an integer. Got {type(dataset.batch_size)}.")
+    order = epoch_sequence(dataset, epoch)
+    ids = get_partitions(dataset.partition_algo, dataset.epoch_size, dataset.num_canonical_nodes, world.num_nodes,
+                         world.ranks_per_node, world.workers_per_rank, dataset.batch_size, sample_in_epoch,
+                         dataset.initial_physical_nodes)
+    return _look_up_in_place(ids, order)
+
+
+def epoch_sequence(dataset, epoch: int) -> np.ndarray:
+    """The epoch's samples in streaming's order, before the partition deals them out: position -> sample id
+    (the array `generate_work_random` indexes with the partition; order_files.py keeps it as a file)."""
     if dataset.shuffle and not isinstance(dataset.shuffle_block_size, int):
         raise TypeError(f"Dataset `shuffle_block_size` must be an integer. Got {type(dataset.shuffle_block_size)} "
                         "instead.")
@@ -223,10 +233,7 @@ def generate_work_random(dataset, world, epoch: int, sample_in_epoch: int) -> np
             del mapping  # it would hold the mapping alive through the partition, after it is composed
     if shuffle is not None:
         order = _look_up_in_place(shuffle, order)
-    ids = get_partitions(dataset.partition_algo, dataset.epoch_size, dataset.num_canonical_nodes, world.num_nodes,
-                         world.ranks_per_node, world.workers_per_rank, dataset.batch_size, sample_in_epoch,
-                         dataset.initial_physical_nodes)
-    return _look_up_in_place(ids, order)
+    return order
 
 
 def _shuffle(dataset, units: np.ndarray, epoch: int) -> np.ndarray | None:

@@ -39,8 +39,9 @@ streaming does not promise to keep:
   own copy (`ResumeStateKept`);
 - `generate_work` with `StreamingDataset.batching_method` and `_set_shuffle_block_size`: the epoch's
   partition for any world, computed in one process (`rank_orders`, for train/ledger.py);
-- `StreamingDataset._get_work` and `_parallel_worker_world`: a dataset in the project's lazy shuffle gets its
-  worker's ids computed as they are read (`WindowedDownloadAhead._get_work`, lazy_order.py).
+- `StreamingDataset._get_work`, `_parallel_worker_world` and `_unique_worker_world`: a dataset in the project's lazy
+  shuffle, or whose orders are kept as files (order_files.py), gets its worker's ids computed as they are read
+  (`WindowedDownloadAhead._get_work`, lazy_order.py); the node's first worker starts the next epoch's file.
 
 To move to a new streaming version: read those names in its source, run the fast-reader and
 training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
@@ -391,6 +392,8 @@ class WindowedDownloadAhead(StreamingDataset):
     or died hung at exit forever. (Workers ignore SIGTERM, so the DataLoader could not end them.)
     """
 
+    order_dir: str | None = None  # where its epochs' orders are kept as files (order_files.py); None: stock's
+
     def _share_work(self, sample_ids: np.ndarray) -> tuple[SharedMemory, SharedMemory | None]:
         """Stock's, but the order is written into shared memory in place, not through a `tobytes()`
         copy of it (the node's first rank, at every epoch start: 70 MB at 8.8 M samples)."""
@@ -410,14 +413,16 @@ class WindowedDownloadAhead(StreamingDataset):
     def _get_work(self, epoch: int, sample_in_epoch: int):
         """Stock's, but for a dataset in the project's lazy shuffle the worker's ids are computed as they are read
         (lazy_order.py): no array of the epoch's size, nothing in shared memory, no wait for the node's first rank."""
-        if not in_lazy_order(self):
+        from tokstream.reader.streaming_door import order_files
+
+        if not (in_lazy_order(self) or order_files.kept_as_files(self)):
             return super()._get_work(epoch, sample_in_epoch)
         world = self._parallel_worker_world
-        order, partition = lazy_order_of(self, world.num_nodes, world.ranks_per_node, world.workers_per_rank, epoch,
-                                         sample_in_epoch)
-        from tokstream.reader.lazy_order import LazyWorkerIds
-
-        return LazyWorkerIds(order, partition, world.node, world.rank_of_node, world.worker_of_rank)
+        ids = worker_ids(self, world.num_nodes, world.ranks_per_node, world.workers_per_rank, epoch, sample_in_epoch,
+                         [(world.node, world.rank_of_node, world.worker_of_rank)])[0]
+        if order_files.kept_as_files(self) and self._unique_worker_world.is_local_leader:
+            order_files.build_ahead(self, epoch + 1)
+        return ids
 
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
         """Stock's, but a download that fails is undone, and a full disk evicts or is said as such.
@@ -569,24 +574,30 @@ def in_lazy_order(dataset: StreamingDataset) -> bool:
             and not dataset.replication)
 
 
-def lazy_order_of(dataset: StreamingDataset, nodes: int, ranks_per_node: int, workers_per_rank: int, epoch: int,
-                  sample_in_epoch: int):
-    """The lazy order of the dataset's epoch and its partition over the world (lazy_order.py)."""
-    from tokstream.reader.lazy_order import LazyEpochOrder, lazy_partition
+def worker_ids(dataset: StreamingDataset, nodes: int, ranks_per_node: int, workers_per_rank: int, epoch: int,
+               sample_in_epoch: int, workers: list[tuple[int, int, int]]) -> list:
+    """For a dataset in the lazy order or with its orders kept as files: each (node, rank, worker)'s ids of the epoch
+    from sample_in_epoch on, as streaming would hand them out, each slice computed when read (lazy_order.py)."""
+    from tokstream.reader.lazy_order import LazyEpochOrder, LazyWorkerIds, lazy_partition
+    from tokstream.reader.streaming_door import order_files
 
     # The last epoch's order is kept: the ledger asks step after step of one epoch, and its set-up is O(shards).
-    kept = getattr(dataset, "_tokstream_lazy_order", None)
-    if kept is not None and kept[0] == (epoch, dataset.shuffle_block_size):
+    settings = (epoch, dataset.shuffle_algo, dataset.shuffle_block_size, dataset.shuffle_seed,
+                dataset.num_canonical_nodes, dataset.sampling_method, tuple(stream.choose for stream in dataset.streams))
+    kept = getattr(dataset, "_tokstream_epoch_order", None)
+    if kept is not None and kept[0] == settings:
         order = kept[1]
-    else:
+    elif in_lazy_order(dataset):
         order = LazyEpochOrder(dataset.samples_per_shard, list(dataset.shards_per_stream),
                                [stream.choose for stream in dataset.streams], dataset.shuffle_seed, epoch,
                                dataset.num_canonical_nodes, dataset.shuffle_block_size)
-        dataset._tokstream_lazy_order = ((epoch, dataset.shuffle_block_size), order)
+    else:
+        order = order_files.epoch_order(dataset, epoch)
+    dataset._tokstream_epoch_order = (settings, order)
     partition = lazy_partition(dataset.partition_algo, dataset.epoch_size, dataset.num_canonical_nodes, nodes,
                                ranks_per_node, workers_per_rank, dataset.batch_size, sample_in_epoch,
                                dataset.initial_physical_nodes)
-    return order, partition
+    return [LazyWorkerIds(order, partition, node, rank, worker) for node, rank, worker in workers]
 
 
 def rank_orders(dataset: StreamingDataset, nodes: int, ranks_per_node: int, epoch: int,
@@ -594,16 +605,16 @@ def rank_orders(dataset: StreamingDataset, nodes: int, ranks_per_node: int, epoc
     """(ranks, samples): the ids each rank of `nodes` x `ranks_per_node` reads of `epoch` from `sample_in_epoch` on,
     in order, -1 past the end: the work a node's first rank computes (`_get_work`), for the whole world, with
     one worker per rank. More workers read the same ids, the rank's batches dealt out in turn, which the loader
-    takes back in turn; the batch size only places the -1 padding. In the lazy order, only the first `limit` of each
-    rank's are computed (all of them otherwise)."""
+    takes back in turn; the batch size only places the -1 padding. In the lazy order or from order files, only the
+    first `limit` of each rank's are computed (all of them otherwise)."""
     world = World(num_nodes=nodes, ranks_per_node=ranks_per_node, workers_per_rank=1, worker=0)
     dataset._set_shuffle_block_size(world)  # what `_resume` does before the first epoch's work
-    if in_lazy_order(dataset):
-        from tokstream.reader.lazy_order import LazyWorkerIds
+    from tokstream.reader.streaming_door import order_files
 
-        order, partition = lazy_order_of(dataset, nodes, ranks_per_node, 1, epoch, sample_in_epoch)
-        return np.stack([LazyWorkerIds(order, partition, node, rank, 0)[:limit] for node in range(nodes)
-                         for rank in range(ranks_per_node)])
+    if in_lazy_order(dataset) or order_files.kept_as_files(dataset):
+        ranks = [(node, rank, 0) for node in range(nodes) for rank in range(ranks_per_node)]
+        return np.stack([ids[:limit] for ids in worker_ids(dataset, nodes, ranks_per_node, 1, epoch, sample_in_epoch,
+                                                           ranks)])
     work = generate_work(dataset.batching_method, dataset, world, epoch, sample_in_epoch)
     return work.reshape(nodes * ranks_per_node, -1)
 

@@ -1,0 +1,216 @@
+"""Streaming's epoch orders kept as files (data.order_dir): built once per epoch, memory-mapped by every rank.
+
+In streaming's own orders (py1e and the others) the first rank of each node computes the whole epoch's order at
+every epoch start and every resume: a minute or two and tens of GB per node at 880 M samples. Here the epoch's order
+(position -> sample id, before the partition deals it out: epoch_order.epoch_sequence) is written once into
+`order_dir` as a .npy file, uint32 where the ids fit, and every rank of this launch and of every relaunch maps it and
+reads only its own positions, through the partition in closed form (lazy_partition.py). While an epoch is read, the
+next one's file is built by a process of its own, so an epoch's end waits for nothing that was not already running.
+
+The invariant: a file under an epoch's final name holds that epoch's whole order, for exactly the settings its name's
+digest covers (the shards' sizes, the streams' draws, sampling, shuffle, seed, canonical nodes, block). It is written
+under a partial name and renamed once complete and synced. A build that died leaves only its partial file, named
+for its host, its pid and that process's start time; a later build removes it only when that process is provably
+gone (same host, and no process with that pid and start time).
+"""
+
+import hashlib
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from filelock import FileLock, Timeout
+
+from tokstream.errors import UserError
+from tokstream.reader.streaming_door import streaming_internals as internals
+
+FORMAT = 1
+# Where a dataset keeps its orders' files (data.order_dir); None: streaming's in-memory orders.
+ORDER_DIR_ATTRIBUTE = "order_dir"
+
+
+@dataclass
+class _Stream:
+    choose: int
+
+
+@dataclass
+class OrderInputs:
+    """Everything an epoch's order depends on, under the names streaming's dataset gives them (epoch_sequence reads
+    it as it reads a dataset): picklable, so that a process of its own can build an epoch ahead."""
+
+    samples_per_shard: np.ndarray
+    shards_per_stream: list[int]
+    chooses: list[int]
+    sampling_method: str
+    sampling_granularity: int
+    epoch_seed_change: bool
+    shuffle: bool
+    shuffle_algo: str
+    shuffle_seed: int
+    num_canonical_nodes: int
+    shuffle_block_size: int
+    streams: list[_Stream] = field(init=False)
+    # epoch_sequence takes stock's resampling for a dataset whose class has stock's resample_streams.
+    resample_streams = internals.StreamingDataset.resample_streams
+
+    def __post_init__(self) -> None:
+        self.samples_per_shard = np.asarray(self.samples_per_shard, np.int64)
+        self.streams = [_Stream(choose) for choose in self.chooses]
+        self.num_streams = len(self.shards_per_stream)
+        self.shard_offset_per_stream = np.concatenate([[0], np.cumsum(self.shards_per_stream)[:-1]]).astype(np.int64)
+        self.sample_offset_per_shard = np.concatenate([[0], np.cumsum(self.samples_per_shard)[:-1]]).astype(np.int64)
+        self.epoch_size = int(sum(self.chooses))
+
+    @classmethod
+    def of(cls, dataset) -> "OrderInputs":
+        return cls(dataset.samples_per_shard, [int(n) for n in dataset.shards_per_stream],
+                   [int(stream.choose) for stream in dataset.streams], dataset.sampling_method,
+                   int(dataset.sampling_granularity), bool(dataset.epoch_seed_change), bool(dataset.shuffle),
+                   dataset.shuffle_algo, int(dataset.shuffle_seed), int(dataset.num_canonical_nodes),
+                   int(dataset.shuffle_block_size))
+
+    def digest(self) -> str:
+        described = {key: getattr(self, key) for key in ("shards_per_stream", "chooses", "sampling_method",
+                                                         "sampling_granularity", "epoch_seed_change", "shuffle",
+                                                         "shuffle_algo", "shuffle_seed", "num_canonical_nodes",
+                                                         "shuffle_block_size")}
+        described["format"] = FORMAT
+        described["samples_per_shard"] = hashlib.sha256(self.samples_per_shard.astype("<i8").tobytes()).hexdigest()
+        return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def kept_as_files(dataset) -> bool:
+    """Whether the dataset reads its epochs' orders from files: an order_dir, one of streaming's own shuffles (the
+    lazy order computes its own), random batching, orig or relaxed partition, no replication, stock's resampling."""
+    from tokstream.reader.lazy_shuffle import NAME
+
+    return (bool(getattr(dataset, ORDER_DIR_ATTRIBUTE, None)) and bool(dataset.shuffle) and dataset.shuffle_algo != NAME
+            and dataset.batching_method == "random" and dataset.partition_algo in ("orig", "relaxed")
+            and not dataset.replication
+            and type(dataset).resample_streams is internals.StreamingDataset.resample_streams)  # its inputs say it all
+
+
+def order_path(inputs: OrderInputs, epoch: int, directory: str | Path) -> Path:
+    return Path(directory) / f"order-{inputs.digest()}-epoch-{epoch}.npy"
+
+
+class OrderFile:
+    """An epoch's order from its file: the sample at each position, read from the mapped file."""
+
+    def __init__(self, path: Path, epoch_size: int):
+        try:
+            self.ids = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as err:
+            raise UserError(f"{path} is not an epoch order this project wrote ({err}): remove it, and it is built "
+                            "again") from None
+        if self.ids.shape != (epoch_size,) or self.ids.dtype not in (np.uint32, np.int64):
+            raise UserError(f"{path} holds {self.ids.shape} {self.ids.dtype}, not an epoch order of {epoch_size} "
+                            "samples this project wrote: remove it, and it is built again")
+        self.path, self.epoch_size = path, epoch_size
+
+    def __reduce__(self):  # mapped again where it is unpickled, not copied whole into the pickle
+        return OrderFile, (self.path, self.epoch_size)
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        return self.ids[positions].astype(np.int64)
+
+
+def epoch_order(dataset, epoch: int) -> OrderFile:
+    """The epoch's order of the dataset, from its file, built first if there is none (one process at a time: the
+    others wait for it and map it)."""
+    inputs = OrderInputs.of(dataset)
+    path = build(inputs, epoch, getattr(dataset, ORDER_DIR_ATTRIBUTE))
+    return OrderFile(path, inputs.epoch_size)
+
+
+def build(inputs: OrderInputs, epoch: int, directory: str | Path, wait: bool = True) -> Path | None:
+    """The epoch's order file, built if it is not there yet. With `wait` False, None at once if another process is
+    building it."""
+    path = order_path(inputs, epoch, directory)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(f"{path}.lock")
+    try:
+        lock.acquire(timeout=-1 if wait else 0)
+    except Timeout:
+        return None
+    try:
+        if path.exists():  # built while this process waited
+            return path
+        remove_dead_partials(path.parent)
+        from tokstream.reader.streaming_door.epoch_order import epoch_sequence
+
+        sequence = epoch_sequence(inputs, epoch)
+        dtype = np.uint32 if len(inputs.samples_per_shard) == 0 or inputs.samples_per_shard.sum() <= 1 << 32 \
+            else np.int64
+        partial = path.parent / f".{path.name}.{_process_tag(os.getpid())}.partial"
+        out = np.lib.format.open_memmap(partial, "w+", dtype, (len(sequence),))
+        out[:] = sequence
+        out.flush()
+        del out, sequence
+        with open(partial, "rb") as written:
+            os.fsync(written.fileno())
+        os.rename(partial, path)
+        directory_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory_fd)
+        finally:
+            os.close(directory_fd)
+        return path
+    finally:
+        lock.release()
+
+
+def _process_tag(pid: int) -> str | None:
+    """host.pid.start: names a process for as long as its host runs (None when there is no such process here)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            start = stat.read().rsplit(")", 1)[1].split()[19]  # field 22, the start time in clock ticks since boot
+    except (OSError, IndexError):
+        return None
+    return f"{socket.gethostname()}.{pid}.{start}"
+
+
+def remove_dead_partials(directory: Path) -> None:
+    """Remove the partial files of builds whose process is gone: written on this host by a pid that no longer runs,
+    or runs as another process (another start time). Another host's partials are left: their process cannot be
+    seen from here."""
+    host = socket.gethostname()
+    for partial in directory.glob(".order-*.partial"):
+        parts = partial.name[:-len(".partial")].rsplit(".", 3)
+        if len(parts) != 4 or parts[1] != host or not parts[2].isdigit():
+            continue
+        if _process_tag(int(parts[2])) != f"{host}.{parts[2]}.{parts[3]}":
+            partial.unlink(missing_ok=True)
+
+
+def build_ahead(dataset, epoch: int) -> None:
+    """Start building the epoch's order in a process of its own, unless its file is there (its own lock keeps a second
+    builder from doing it twice). It outlives the DataLoader worker that started it and ends when the file is built."""
+    inputs = OrderInputs.of(dataset)
+    directory = getattr(dataset, ORDER_DIR_ATTRIBUTE)
+    if order_path(inputs, epoch, directory).exists():
+        return
+    builder = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        builder.stdin.write(pickle.dumps((inputs, epoch, str(directory))))
+        builder.stdin.close()
+    except BrokenPipeError:
+        pass
+
+
+if __name__ == "__main__":
+    from tokstream.reader import streaming_door
+
+    streaming_door.install()  # streaming's orders as the readers compute them (the same numbers, faster)
+    inputs, epoch, directory = pickle.loads(sys.stdin.buffer.read())
+    build(inputs, epoch, directory, wait=False)
