@@ -12,9 +12,11 @@ index is right, and convert/verify.py would pass it.
 Each row is the slowest of the ranks started together (bench/scale.py's rank processes, with torchrun's
 environment): seconds from every rank's imports to its first batch, its peak RSS (imports included) and the
 node's /dev/shm. The orders, in the same run: "lazy" (data.shuffle_algo: feistel_window, tokstream/reader/
-lazy_order.py) and "py1e" (streaming's default order, the project's reader), the latter up to --py1e-limit samples
-(beyond, it needs minutes and tens of GB); stock StreamingDataset at the smallest size. The curve goes to
---plot (PNG).
+lazy_order.py), "py1e" (streaming's order computed in memory by the project's reader, as a reader without
+data.order_dir does) and "file" (py1e kept as files, data.order_dir, as the trainer does: the first start builds the
+epoch's file, the next ones map it, the second epoch's is built ahead), the latter two up to --py1e-limit samples
+(beyond, computing py1e needs minutes and more memory than this machine's 24 GB); stock StreamingDataset at the
+smallest size. Which of them `auto`, the default, reads each dataset in is said. The curve goes to --plot (PNG).
 """
 
 import argparse
@@ -30,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
+
+from tokstream.reader.config import DataConfig  # noqa: E402  (auto's threshold: which order the default reads in)
 
 
 def _scale():
@@ -107,17 +111,22 @@ def main() -> None:
             epoch = samples // GLOBAL_BATCH * GLOBAL_BATCH
             print(f"# {samples:,} samples in {samples // 32_000:,} shards, built in {built_s:.0f} s; epochs of "
                   f"{epoch:,}", flush=True)
+            default = "lazy" if samples >= DataConfig().lazy_order_from else "py1e, kept as files by the trainer"
+            print(f"# data.shuffle_algo: auto (the default) reads this dataset in: {default}", flush=True)
             orders = [("project", "feistel_window", "lazy")]
             if samples <= args.py1e_limit:
-                orders.append(("project", "py1e", "py1e"))
+                orders += [("project", "py1e", "py1e"), ("project", "py1e", "file")]
             if million == min(args.million_samples) and samples <= args.py1e_limit:  # stock: as py1e, and slower
                 orders.append(("stock", "py1e", "stock"))
             for ranks in args.ranks:
                 for reader, algo, label in orders:
-                    for name, position, epoch_number in (("fresh", 0.0, 0), ("50%", 0.5, 0), ("epoch2", 0.0, 1)):
-                        if reader == "stock" and epoch_number:
-                            continue
-                        reports, shm = run_ranks(root, epoch, ranks, position, reader, algo, epoch_number)
+                    order_dir = Path(workdir) / f"orders-{million:g}M" if label == "file" else None
+                    for name, position, epoch_number in STARTS[label]:
+                        if name == "built" and order_dir is not None:  # ahead, while the last epoch was read
+                            waited = wait_for_file(order_dir, 1)
+                            print(f"# the second epoch's order file was ready {waited:.1f} s after the first "
+                                  "epoch's readers stopped", flush=True)
+                        reports, shm = run_ranks(root, epoch, ranks, position, reader, algo, epoch_number, order_dir)
                         worst = max(r["first_batch_s"] for r in reports)
                         rss = max(r["rss_peak_mb"] for r in reports)
                         rows.append({"samples": samples, "order": label, "ranks": ranks, "start": name,
@@ -130,17 +139,37 @@ def main() -> None:
     print()
     for samples in sorted({r["samples"] for r in rows}):
         for ranks in args.ranks:
-            def first(order: str) -> float | None:
+            def first(order: str, starts: tuple = ("fresh", "50%", "epoch2", "built")) -> float | None:
                 times = [r["first_batch_s"] for r in rows if (r["samples"], r["ranks"], r["order"]) == (samples, ranks,
-                                                                                                         order)]
+                                                                                                         order)
+                         and r["start"] in starts]
                 return max(times) if times else None
-            lazy, py1e, stock = first("lazy"), first("py1e"), first("stock")
+            lazy, py1e, stock, file = first("lazy"), first("py1e"), first("stock"), first("file")
             ratios = [f"ratio_lazy_vs_{name}={lazy / other:.3f}" for name, other in (("py1e", py1e), ("stock", stock))
                       if other]
+            if file:
+                ratios.append(f"ratio_py1e_file_relaunch_vs_py1e={file / py1e:.3f} (the file's build: "
+                              f"{first('file', ('build',)):.2f} s, once per epoch)")
             print(f"{samples:,} samples, {ranks} rank(s): slowest lazy first batch {lazy:.2f} s "
                   + " ".join(ratios), flush=True)
     plot(rows, args.plot)
     print(f"wrote {args.plot}; goals: lazy first_batch_s < 2 and rss_peak_mb < 1024 at every size")
+
+
+# Each order's starts: (name, position in the epoch, epoch). With files: the first start builds epoch 0's order
+# ("build"); a relaunch maps it ("fresh", "50%"); epoch 1's was built ahead meanwhile ("built", at the epoch's start).
+STARTS = {"lazy": (("fresh", 0.0, 0), ("50%", 0.5, 0), ("epoch2", 0.0, 1)),
+          "py1e": (("fresh", 0.0, 0), ("50%", 0.5, 0), ("epoch2", 0.0, 1)),
+          "file": (("build", 0.0, 0), ("fresh", 0.0, 0), ("50%", 0.5, 0), ("built", 0.0, 1)),
+          "stock": (("fresh", 0.0, 0), ("50%", 0.5, 0))}
+
+
+def wait_for_file(order_dir: Path, epoch: int) -> float:
+    """Seconds until the epoch's order file (built ahead by a process the first epoch's reader started) is there."""
+    started = time.perf_counter()
+    while not list(order_dir.glob(f"order-*-epoch-{epoch}.npy")):
+        time.sleep(0.1)
+    return time.perf_counter() - started
 
 
 LEDGER_SCRIPT = r"""
@@ -173,15 +202,15 @@ def plot(rows: list[dict], out: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for order in ("lazy", "py1e", "stock"):
+    for order in ("lazy", "py1e", "file", "stock"):
         for ranks in sorted({r["ranks"] for r in rows}):
-            chosen = [r for r in rows if r["order"] == order and r["ranks"] == ranks]
+            chosen = [r for r in rows if r["order"] == order and r["ranks"] == ranks and r["start"] != "build"]
             if not chosen:
                 continue
             sizes = sorted({r["samples"] for r in chosen})
             worst = [max(r["first_batch_s"] for r in chosen if r["samples"] == s) for s in sizes]
             memory = [max(r["rss_peak_mb"] for r in chosen if r["samples"] == s) for s in sizes]
-            label = f"{order}, {ranks} rank{'s' * (ranks > 1)}"
+            label = f"{'py1e from its file' if order == 'file' else order}, {ranks} rank{'s' * (ranks > 1)}"
             time_axis.plot(sizes, worst, "o-", label=label)
             memory_axis.plot(sizes, memory, "o-", label=label)
     for axis, what in ((time_axis, "first batch, slowest start (s)"), (memory_axis, "peak RSS per rank (MB)")):

@@ -58,6 +58,7 @@ started = time.monotonic()
 root, samples, position, micro_batch, reader = (sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]),
                                                 sys.argv[5])
 algo, epoch = sys.argv[6], int(sys.argv[7])
+order_dir = sys.argv[8] if len(sys.argv) > 8 and sys.argv[8] else None  # the project's orders kept as files
 if reader == "project":
     from tokstream.cpu_dispatch import prefer_avx2_sort
     prefer_avx2_sort()  # as train/main.py does first
@@ -73,8 +74,8 @@ print(json.dumps({"start_s": time.monotonic() - started,
 sys.stdin.readline()  # every rank has imported: the reader's own time starts now, on all of them
 go = time.monotonic()
 if reader == "project":
-    loader = make_loader(DataConfig(remote=root, shuffle_algo=algo), "train", micro_batch, shuffle=True,
-                         pin_memory=False, choose=[samples])
+    loader = make_loader(DataConfig(remote=root, shuffle_algo=algo, order_dir=order_dir), "train", micro_batch,
+                         shuffle=True, pin_memory=False, choose=[samples])
 else:  # the same settings as DataConfig's defaults
     dataset = StreamingDataset(streams=[Stream(local=root, split="train", choose=samples)], shuffle=True,
                                shuffle_seed=9176, num_canonical_nodes=1, batch_size=micro_batch)
@@ -108,8 +109,9 @@ def shm_bytes() -> dict[str, int]:
 
 
 def run_ranks(root: Path, samples: int, ranks: int, position: float, reader: str, algo: str = "py1e",
-              epoch: int = 0) -> tuple[list[dict], int]:
-    """Start `ranks` processes together; their reports and the shared memory they added."""
+              epoch: int = 0, order_dir: Path | None = None) -> tuple[list[dict], int]:
+    """Start `ranks` processes together; their reports and the shared memory they added. `order_dir`: the project
+    reader's epoch orders kept as files there (data.order_dir)."""
     from tokstream.testing.loopback_s3 import free_port
 
     before = shm_bytes()
@@ -122,7 +124,8 @@ def run_ranks(root: Path, samples: int, ranks: int, position: float, reader: str
         if reader == "stock":  # stock's collate warns of the read-only arrays it gets, at every batch
             env["PYTHONWARNINGS"] = "ignore::UserWarning"
         processes.append(subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(root), str(samples),
-                                           str(position), str(MICRO_BATCH), reader, algo, str(epoch)], env=env,
+                                           str(position), str(MICRO_BATCH), reader, algo, str(epoch),
+                                           str(order_dir or "")], env=env,
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
     reports = [json.loads(process.stdout.readline()) for process in processes]  # imported
     for process in processes:

@@ -263,7 +263,7 @@ def test_checkpoints_on_a_full_disk_fail_in_one_line_and_the_one_kept_resumes_ex
     assert (f"warning: no space left on the device holding {tiny / 'run'} (No space left on device) for a 16 MiB "
             "write probe: checkpoints (38.0 MiB each) cannot be saved until space is freed there") in tiny_run
     assert len(the_error_lines(tiny_run)) == 1 and "error: checkpoint at step 3 not saved" in tiny_run, tiny_run
-    assert (tmp_path / "tiny.txt").read_text().split() == ["metrics.jsonl"]  # no probe or checkpoint left
+    assert (tmp_path / "tiny.txt").read_text().split() == ["metrics.jsonl", "orders"]  # no probe or checkpoint left
     full = (tmp_path / "full.log").read_text()
     assert (tmp_path / "full.rc").read_text().strip() != "0", full
     no_space = (f"no space left on the device holding {disk / 'run'} (No space left on device): the checkpoint "
@@ -277,6 +277,6 @@ def test_checkpoints_on_a_full_disk_fail_in_one_line_and_the_one_kept_resumes_ex
     run = tmp_path / "run"
     assert latest_step(LocalRunStore(run)) == 4
     assert sorted(p.name for p in run.iterdir()) == ["LATEST", "ckpt-00000004.manifest.json", "ckpt-00000004.pt",
-                                                     "metrics.jsonl"]
+                                                     "metrics.jsonl", "orders"]
     training.train(2, dataset, run)  # to the reference's 16 steps (its LR schedule is fixed by decay_steps)
     assert training.trained_steps(run) == reference

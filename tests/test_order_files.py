@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import ROOT
 from test_training import tiny_splits
 
 from tokstream.errors import UserError
@@ -125,29 +126,24 @@ def test_a_file_under_an_epochs_name_that_is_not_its_order_is_refused_in_one_lin
 
 
 def test_builders_racing_for_one_epoch_build_it_once(mixture, tmp_path):
-    """Four processes asked for one epoch's order at once: one builds it, the others wait and map it."""
-    batches = TrainBatches(open_dataset(mixture), BatchPlan(8, 8, 1))
-    dataset = batches.loader.dataset
-    dataset._set_shuffle_block_size(dataset._unique_rank_world)
-    inputs = order_files.OrderInputs.of(dataset)
-    batches.close()
-    code = ("import pickle, sys; from tokstream.reader import streaming_door; streaming_door.install(); "
-            "from tokstream.reader.streaming_door import order_files; "
-            "inputs, directory = pickle.loads(sys.stdin.buffer.read()); "
-            "print(order_files.build(inputs, 4, directory).stat().st_ino)")
-    import pickle
-
-    racers = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    """Four processes ask for one epoch's order at once (train/build_orders.py's path): one builds it, the others wait
+    for it and take the same file, and no partial file is left."""
+    files = dataclasses.replace(mixture, order_dir=str(tmp_path / "orders"))
+    code = ("import dataclasses, os, sys; from tokstream.reader import DataConfig, SampleOrder, StreamConfig, open_dataset;"
+            "config = eval(sys.stdin.read()); order = SampleOrder(open_dataset(config), 8);"
+            "print(os.stat(order.build_order_files(range(4, 5))[0]).st_ino); order.close()")
+    racers = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
               for _ in range(4)]
     for racer in racers:
-        racer.stdin.write(pickle.dumps((inputs, str(tmp_path))))
+        racer.stdin.write(repr(files))
         racer.stdin.close()
     inodes = {racer.stdout.read().strip() for racer in racers}
     assert [racer.wait() for racer in racers] == [0] * 4
-    assert len(inodes) == 1 and not [n for n in os.listdir(tmp_path) if n.endswith(".partial")]
-    from tokstream.reader.streaming_door.epoch_order import epoch_sequence
-
-    assert np.array_equal(np.load(tmp_path / epoch_files(tmp_path)[4]), epoch_sequence(inputs, 4))
+    assert len(inodes) == 1 and set(epoch_files(tmp_path / "orders")) == {4}
+    assert not [name for name in os.listdir(tmp_path / "orders") if name.endswith(".partial")]
+    whole, _ = read(files, BatchPlan(8, 8, 1), 5 * sum(open_dataset(mixture).epoch_samples(BatchPlan(8, 1, 1))) // 8)
+    stock, _ = read(mixture, BatchPlan(8, 8, 1), len(whole))
+    assert whole == stock  # epoch 4 read from the racers' file
 
 
 def test_auto_takes_the_lazy_order_from_its_size_and_keeps_the_order_a_state_was_read_in(mixture, tmp_path):
@@ -170,3 +166,87 @@ def test_auto_takes_the_lazy_order_from_its_size_and_keeps_the_order_a_state_was
     assert lazy != whole
     first, state = read(large, BatchPlan(8, 4, 1), 11)
     assert state["shuffle_algo"] == NAME and first + read(small, BatchPlan(8, 4, 1), 19, state)[0] == lazy
+
+
+@pytest.mark.long
+def test_a_run_started_before_auto_resumes_in_its_own_order_and_keeps_its_orders_in_run_dir(dataset, tmp_path):
+    """A run whose config named py1e (as every run's did, py1e being the default before `auto`), SIGTERMed and
+    relaunched with a config that leaves data.shuffle_algo to `auto` on data `auto` would read in the lazy order:
+    it goes on in py1e, every step's samples and loss bitwise as an uninterrupted run's; its epochs' orders are files
+    in its run_dir, and the checkpoint's config says py1e again."""
+    import signal
+
+    from test_training import finish, launch, metrics, train, wait_for
+
+    from tokstream.train.checkpoint import find_latest
+    from tokstream.train.checkpoint_files import latest_step
+    from tokstream.train.run_store import LocalRunStore
+
+    from test_training import BASE
+
+    threshold = ["data.lazy_order_from=64"]
+    train(1, dataset, tmp_path / "reference", "data.shuffle_algo=py1e", *threshold)
+    run_dir, store = tmp_path / "interrupted", LocalRunStore(str(tmp_path / "interrupted"))
+    ahead = subprocess.run([sys.executable, "train/build_orders.py", *BASE, f"data.remote={dataset}",
+                            f"run_dir={run_dir}", "data.shuffle_algo=py1e", *threshold, "--epochs", "2"],
+                           capture_output=True, text=True, cwd=ROOT)
+    assert ahead.returncode == 0, ahead.stderr
+    assert ahead.stdout.startswith("the data: epochs 0-1 of py1e in ") and sorted(epoch_files(run_dir / "orders")) == [0, 1]
+    built = {name: os.stat(run_dir / "orders" / name).st_ino for name in os.listdir(run_dir / "orders")}
+    first = launch(1, dataset, run_dir, "data.shuffle_algo=py1e", *threshold)
+    wait_for(lambda: (latest_step(store) or 0) >= 4 and len(metrics(run_dir)) >= 5)
+    os.killpg(first.pid, signal.SIGTERM)
+    first.communicate(timeout=120)
+    finish(launch(1, dataset, run_dir, *threshold))
+    assert [(m["step"], m["samples"], m["loss"]) for m in metrics(run_dir)] == \
+        [(m["step"], m["samples"], m["loss"]) for m in metrics(tmp_path / "reference")]
+    assert {name: os.stat(run_dir / "orders" / name).st_ino for name in built} == built  # mapped, not built again
+    lazy = subprocess.run([sys.executable, "train/build_orders.py", *BASE, f"data.remote={dataset}",
+                           f"run_dir={tmp_path / 'lazy'}", *threshold], capture_output=True, text=True, cwd=ROOT)
+    assert lazy.stdout == "the data: read in feistel_window, which keeps no files: nothing to build\n", lazy.stderr
+    _, saved = find_latest(store)
+    assert saved["run"]["config"]["data"]["shuffle_algo"] == "py1e"
+
+
+READ_SCRIPT = """
+import json, sys, warnings
+from tokstream.reader import BatchPlan, DataConfig, StreamConfig, TrainBatches, open_dataset
+config, micro_batches = eval(sys.argv[1]), int(sys.argv[2])
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    batches = TrainBatches(open_dataset(config), BatchPlan(8, 4, 1))
+    ids = [next(batches)["ids"].tolist() for _ in range(micro_batches)]
+    batches.close()
+print(json.dumps({"ids": ids, "warnings": [str(w.message) for w in said if "order_dir" in str(w.message)]}))
+"""
+
+
+def test_an_order_dir_without_room_or_that_is_no_folder_warns_once_and_reads_the_same(mixture, tmp_path):
+    """The files only save work: where one cannot be written (a full disk, a path that is a file) the reader warns
+    once and computes the same order in memory, leaving no partial file."""
+    import json
+
+    from test_full_disk import namespaces_permitted, on_a_small_disk, sh
+
+    steps = 3 * sum(open_dataset(mixture).epoch_samples(BatchPlan(8, 1, 1))) // 4
+    stock, _ = read(mixture, BatchPlan(8, 4, 1), steps)
+    (tmp_path / "a-file").write_text("not a folder")
+    for order_dir, run in ((tmp_path / "a-file", None), (tmp_path / "disk" / "orders", on_a_small_disk)):
+        config = repr(dataclasses.replace(mixture, order_dir=str(order_dir)))
+        command = [sys.executable, "-c", READ_SCRIPT, config, str(steps)]
+        if run is None:
+            done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
+        else:
+            if not namespaces_permitted():
+                continue
+            fill = f"(head -c 1m /dev/zero > {tmp_path / 'disk' / 'filler'} || true)"  # the disk full, then the run
+            left = f"ls -A {order_dir} > {tmp_path / 'left.txt'}"  # before the disk goes with its namespace
+            done = run(tmp_path / "disk", "64k", f"{fill} && PYTHONPATH={ROOT} {sh(*command)} && {left}")
+        assert done.returncode == 0, done.stderr
+        got = json.loads(done.stdout.splitlines()[-1])
+        assert got["ids"] == stock
+        assert len(got["warnings"]) == 1 and got["warnings"][0].startswith(f"data.order_dir {order_dir}: the epoch's "
+                                                                           "order cannot be kept there (")
+    if namespaces_permitted():
+        assert not [name for name in (tmp_path / "left.txt").read_text().split() if name.endswith(".partial")]
+

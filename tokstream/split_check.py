@@ -4,6 +4,8 @@ neither streaming nor torch."""
 
 import hashlib
 import json
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -76,14 +78,19 @@ def check_split(root: Path, split: str, metadata: DatasetMetadata, dataset: str,
                         f"convert/verify.py {dataset} checks the dataset, reconverting repairs it")
     if not local_files:  # remote shards are checked against their hashes as they arrive, and when mapped
         return
+    folder = os.path.join(root, split)  # plain strings and os calls: this runs once per shard, at every start
     for basename, expected, uncompressed, samples in files:
-        path = root / split / basename
-        size = path.stat().st_size if path.is_file() else None
+        path = os.path.join(folder, basename)
+        try:
+            found = os.stat(path)
+            size = found.st_size if stat.S_ISREG(found.st_mode) else None
+        except FileNotFoundError:
+            size = None
         if size != expected:
-            raise UserError(damaged_shard(path, "is missing" if size is None else
+            raise UserError(damaged_shard(Path(path), "is missing" if size is None else
                                           f"has {size} bytes, the index says {expected}", dataset))
         if uncompressed and (problem := sample_count_problem(shard_sample_count(path), samples)):
-            raise UserError(damaged_shard(path, problem, dataset))
+            raise UserError(damaged_shard(Path(path), problem, dataset))
 
 
 def dataset_identity(root: Path, split: str) -> str:

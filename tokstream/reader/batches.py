@@ -19,7 +19,8 @@ from tokstream.errors import UserError
 from tokstream.reader import mixture
 from tokstream.reader.config import DataConfig
 from tokstream.reader.batch_plan import BatchPlan
-from tokstream.reader.dataset import OLD_DEFAULT_ALGO, Dataset, is_remote, local_root, val_split_holds_a_batch, vocab_size
+from tokstream.reader.dataset import (AUTO_SHUFFLE, OLD_DEFAULT_ALGO, Dataset, algo_for_size, is_remote, local_root,
+                                      split_samples, val_split_holds_a_batch, vocab_size)
 from tokstream.reader.documents import document_structure
 from tokstream.reader.mixture import Source
 from tokstream.reader.token_dataset import TokenDataset
@@ -261,6 +262,9 @@ def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, 
     epoch (default: each of its samples once). `reuse_slots`: see TokenLoader. `vocab_sizes`: per source,
     an opened Dataset's; read from each source's metadata.json if not given (a benchmark's loader)."""
     sources = mixture.sources(config) if sources is None else sources
+    algo = config.shuffle_algo
+    if algo == AUTO_SHUFFLE:  # an opened Dataset's config says its choice; a loader made without one chooses alike
+        algo = algo_for_size(config, [split_samples(source, split) for source in sources])
     streams = []
     for index, source in enumerate(sources):
         # A remote (or a local dataset with a separate local cache) is downloaded/copied by streaming.
@@ -271,7 +275,7 @@ def make_loader(config: DataConfig, split: str, batch_size: int, shuffle: bool, 
     try:
         dataset = TokenDataset(
             streams=streams, shuffle=shuffle,
-            shuffle_seed=config.shuffle_seed, shuffle_algo=config.shuffle_algo,
+            shuffle_seed=config.shuffle_seed, shuffle_algo=algo,
             shuffle_block_size=config.shuffle_block_size, num_canonical_nodes=config.num_canonical_nodes,
             batch_size=batch_size, cache_limit=config.cache_limit,
             predownload=predownload(config, batch_size), download_retry=config.download_retry,

@@ -203,5 +203,15 @@ def val_split_holds_a_batch(samples: int, world_size: int, micro_batch_size: int
 def vocab_size(source: Source, split: str) -> int:
     """The source's vocab_size from its metadata.json, for a loader made without an opened Dataset (a
     benchmark's): where an earlier open left it, or fetched now."""
+    return _metadata(source, split).vocab_size
+
+
+def split_samples(source: Source, split: str) -> int:
+    """The split's samples in the source, from its metadata.json, as vocab_size reads it (0 without the split)."""
+    splits = _metadata(source, split).splits
+    return splits[split].samples if split in splits else 0
+
+
+def _metadata(source: Source, split: str) -> DatasetMetadata:
     fetched = is_remote(source.remote) and Path(local_root(source), METADATA_FILE).is_file()
-    return read_metadata(local_root(source) if fetched else fetch_index_files(source, (split,))).vocab_size
+    return read_metadata(local_root(source) if fetched else fetch_index_files(source, (split,)))

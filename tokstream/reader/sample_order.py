@@ -70,6 +70,11 @@ class SampleOrder:
         self._rows = (nodes, ranks_per_node, epoch, start, rows)
         return rows
 
+    def build_order_files(self, epochs: range) -> list[str]:
+        """Build the epochs' orders as files in data.order_dir now (streaming_door/order_files.py), which readers
+        then map instead of building: the paths, [] where the data is read in the lazy order or has no order_dir."""
+        return [str(path) for path in internals.build_order_files(self._loader.dataset, epochs)]
+
     def source_of(self, sample_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each sample's source (index in the dataset's sources) and its id within that source."""
         sample_ids = np.asarray(sample_ids, dtype=np.int64)

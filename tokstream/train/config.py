@@ -251,6 +251,7 @@ RANGES = {
     "data.num_canonical_nodes": (1, True, None, ""), "data.num_workers": (0, True, None, ""),
     "data.prefetch_factor": (1, True, None, ""), "data.predownload": (1, True, None, ""),
     "data.download_retry": (0, True, None, ""), "data.max_documents": (1, True, None, ""),
+    "data.lazy_order_from": (1, True, None, "samples from which `auto` reads a dataset in the lazy order"),
 }
 
 

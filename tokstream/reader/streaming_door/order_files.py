@@ -21,6 +21,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,12 +123,36 @@ class OrderFile:
         return self.ids[positions].astype(np.int64)
 
 
-def epoch_order(dataset, epoch: int) -> OrderFile:
+class OrderInMemory:
+    """An epoch's order computed in this process, where its file could not be written."""
+
+    def __init__(self, ids: np.ndarray):
+        self.ids, self.epoch_size = ids, len(ids)
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        return self.ids[positions]
+
+
+def epoch_order(dataset, epoch: int) -> OrderFile | OrderInMemory:
     """The epoch's order of the dataset, from its file, built first if there is none (one process at a time: the
-    others wait for it and map it)."""
+    others wait for it and map it). Where the file cannot be written (a full disk, no permission) the order is the
+    same computed in memory, said once per process: the files only save the work."""
     inputs = OrderInputs.of(dataset)
-    path = build(inputs, epoch, getattr(dataset, ORDER_DIR_ATTRIBUTE))
+    directory = getattr(dataset, ORDER_DIR_ATTRIBUTE)
+    try:
+        path = build(inputs, epoch, directory)
+    except OSError as err:
+        if directory not in _said:
+            _said.add(directory)
+            warnings.warn(f"data.order_dir {directory}: the epoch's order cannot be kept there ({err.strerror or err}); "
+                          "each reader computes it in memory, as streaming does, until there is room", stacklevel=2)
+        from tokstream.reader.streaming_door.epoch_order import epoch_sequence
+
+        return OrderInMemory(epoch_sequence(inputs, epoch))
     return OrderFile(path, inputs.epoch_size)
+
+
+_said: set[str] = set()  # the order_dirs a warning was given for, in this process
 
 
 def build(inputs: OrderInputs, epoch: int, directory: str | Path, wait: bool = True) -> Path | None:
@@ -152,12 +177,12 @@ def build(inputs: OrderInputs, epoch: int, directory: str | Path, wait: bool = T
         dtype = np.uint32 if len(inputs.samples_per_shard) == 0 or inputs.samples_per_shard.sum() <= 1 << 32 \
             else np.int64
         partial = path.parent / f".{path.name}.{_process_tag(os.getpid())}.partial"
-        out = np.lib.format.open_memmap(partial, "w+", dtype, (len(sequence),))
-        out[:] = sequence
-        out.flush()
-        del out, sequence
-        with open(partial, "rb") as written:
-            os.fsync(written.fileno())
+        try:
+            _write(partial, sequence, dtype)
+        except BaseException:  # this process's own partial file: removed, whatever stopped it
+            partial.unlink(missing_ok=True)
+            raise
+        del sequence
         os.rename(partial, path)
         directory_fd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -167,6 +192,20 @@ def build(inputs: OrderInputs, epoch: int, directory: str | Path, wait: bool = T
         return path
     finally:
         lock.release()
+
+
+def _write(partial: Path, sequence: np.ndarray, dtype: type) -> None:
+    """The order as a .npy file, synced (a full disk raises here, not at a later read of the mapped file)."""
+    with open(partial, "wb") as out:
+        np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                   "fortran_order": False, "shape": (len(sequence),)})
+        for at in range(0, len(sequence), WRITE_CHUNK):
+            out.write(sequence[at:at + WRITE_CHUNK].astype(dtype).tobytes())
+        out.flush()
+        os.fsync(out.fileno())
+
+
+WRITE_CHUNK = 1 << 22  # ids per write: bounds the converted copy
 
 
 def _process_tag(pid: int) -> str | None:

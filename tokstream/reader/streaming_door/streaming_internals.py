@@ -619,6 +619,18 @@ def rank_orders(dataset: StreamingDataset, nodes: int, ranks_per_node: int, epoc
     return work.reshape(nodes * ranks_per_node, -1)
 
 
+def build_order_files(dataset: StreamingDataset, epochs: range) -> list[Path]:
+    """Build the epochs' order files of a dataset whose orders are kept as files (order_files.py) now, as a node's
+    first worker would at each epoch's start; [] for a dataset read in another way (the lazy order needs none)."""
+    from tokstream.reader.streaming_door import order_files
+
+    if not order_files.kept_as_files(dataset):
+        return []
+    dataset._set_shuffle_block_size(World(num_nodes=1, ranks_per_node=1, workers_per_rank=1, worker=0))
+    inputs = order_files.OrderInputs.of(dataset)
+    return [order_files.build(inputs, epoch, dataset.order_dir) for epoch in epochs]
+
+
 def shard_sizes(dataset: StreamingDataset) -> np.ndarray:
     """Each shard's most bytes in the cache (raw, and compressed while it is unpacked), made once."""
     if getattr(dataset, "_tokstream_shard_sizes", None) is None:
