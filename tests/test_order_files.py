@@ -71,6 +71,19 @@ def test_a_reader_with_order_files_reads_the_samples_it_reads_without_them(mixtu
         assert ids.dtype == np.uint32 and ids.shape == (epoch,)
 
 
+def test_the_next_epoch_is_built_ahead_for_a_reader_started_from_anywhere(mixture, tmp_path):
+    """As train/main.py runs: in another folder, the repository on the process's own path alone (not PYTHONPATH).
+    Here the process imports from the repository's folder, then moves to another before it reads."""
+    files = dataclasses.replace(mixture, order_dir=str(tmp_path / "orders"))
+    code = (f"import os; from tokstream.reader import *; from tokstream.reader import StreamConfig; "
+            f"os.chdir({str(tmp_path)!r}); b = TrainBatches(open_dataset({files!r}), BatchPlan(8, 4, 1)); "
+            "next(b); b.close()")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr
+    assert wait_for(lambda: {0, 1} <= set(epoch_files(tmp_path / "orders")))
+
+
 def test_an_epochs_file_is_built_once_and_mapped_by_every_later_reader_and_the_ledger(mixture, tmp_path):
     directory = tmp_path / "orders"
     files = dataclasses.replace(mixture, order_dir=str(directory))
@@ -100,15 +113,17 @@ def test_a_dead_builders_partial_file_is_removed_and_no_other(mixture, tmp_path)
     dead.kill()
     dead.wait()
     final = "order-0123-epoch-0.npy"
-    partials = {"dead": f".{final}.{tag}.partial", "live": f".{final}.{order_files._process_tag(os.getpid())}.partial",
-                "reused pid": f".{final}.{socket.gethostname()}.{os.getpid()}.1.partial",
-                "other host": f".{final}.elsewhere.{dead.pid}.{tag.rsplit('.', 1)[1]}.partial"}
+    start = tag.rsplit("@", 1)[1]
+    partials = {"dead": f".{final}@{tag}.partial", "live": f".{final}@{order_files._process_tag(os.getpid())}.partial",
+                "reused pid": f".{final}@{socket.gethostname()}@{os.getpid()}@1.partial",
+                "other host": f".{final}@gpu17.cluster.{socket.gethostname()}@{dead.pid}@{start}.partial",
+                "other host, dotted": f".{final}@{socket.gethostname()}.cluster.local@{dead.pid}@{start}.partial"}
     for name in partials.values():
         (directory / name).write_bytes(b"\x93NUMPY")
     read(dataclasses.replace(mixture, order_dir=str(directory)), BatchPlan(8, 2, 1), 1)
     left = set(os.listdir(directory))
     assert partials["dead"] not in left and partials["reused pid"] not in left
-    assert partials["live"] in left and partials["other host"] in left
+    assert partials["live"] in left and partials["other host"] in left and partials["other host, dotted"] in left
 
 
 def test_a_file_under_an_epochs_name_that_is_not_its_order_is_refused_in_one_line(mixture, tmp_path):
@@ -201,6 +216,22 @@ def test_a_run_started_before_auto_resumes_in_its_own_order_and_keeps_its_orders
     assert [(m["step"], m["samples"], m["loss"]) for m in metrics(run_dir)] == \
         [(m["step"], m["samples"], m["loss"]) for m in metrics(tmp_path / "reference")]
     assert {name: os.stat(run_dir / "orders" / name).st_ino for name in built} == built  # mapped, not built again
+    listing = sorted(os.listdir(run_dir / "orders"))
+    ledger = subprocess.run([sys.executable, str(ROOT / "train/ledger.py"), str(run_dir), "--step", "16"],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert ledger.returncode == 0, ledger.stderr
+    assert sorted(os.listdir(run_dir / "orders")) == listing  # the ledger computes; it writes nothing
+    later = subprocess.run([sys.executable, "train/build_orders.py", *BASE, f"data.remote={dataset}",
+                            f"run_dir={run_dir}", *threshold, "--epochs", "3"], capture_output=True, text=True,
+                           cwd=ROOT)
+    assert later.stdout.startswith("the data: epochs 0-2 of py1e in "), later.stderr  # the run's own order, as it reads
+    (tmp_path / "a-file").write_text("")
+    nowhere = subprocess.run([sys.executable, "train/build_orders.py", *BASE, f"data.remote={dataset}",
+                              f"run_dir={tmp_path / 'other'}", f"data.order_dir={tmp_path / 'a-file'}"],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert nowhere.returncode != 0 and nowhere.stderr.strip() == (
+        f"error: data.order_dir {tmp_path / 'a-file'}: the epochs' orders cannot be built there (File exists): give a "
+        "folder with room, or leave the readers to build them")
     lazy = subprocess.run([sys.executable, "train/build_orders.py", *BASE, f"data.remote={dataset}",
                            f"run_dir={tmp_path / 'lazy'}", *threshold], capture_output=True, text=True, cwd=ROOT)
     assert lazy.stdout == "the data: read in feistel_window, which keeps no files: nothing to build\n", lazy.stderr

@@ -84,13 +84,15 @@ def check_split(root: Path, split: str, metadata: DatasetMetadata, dataset: str,
         try:
             found = os.stat(path)
             size = found.st_size if stat.S_ISREG(found.st_mode) else None
+            if size != expected:
+                raise UserError(damaged_shard(Path(path), "is missing" if size is None else
+                                              f"has {size} bytes, the index says {expected}", dataset))
+            if uncompressed and (problem := sample_count_problem(shard_sample_count(path), samples)):
+                raise UserError(damaged_shard(Path(path), problem, dataset))
         except FileNotFoundError:
-            size = None
-        if size != expected:
-            raise UserError(damaged_shard(Path(path), "is missing" if size is None else
-                                          f"has {size} bytes, the index says {expected}", dataset))
-        if uncompressed and (problem := sample_count_problem(shard_sample_count(path), samples)):
-            raise UserError(damaged_shard(Path(path), problem, dataset))
+            raise UserError(damaged_shard(Path(path), "is missing", dataset)) from None
+        except OSError as err:  # a loop of links, a name too long, no permission
+            raise UserError(damaged_shard(Path(path), f"cannot be read ({err.strerror or err})", dataset)) from None
 
 
 def dataset_identity(root: Path, split: str) -> str:

@@ -67,7 +67,7 @@ class Ledger:
             raise UserError(f"{run_dir} holds no checkpoint: the ledger reads a run's config from its checkpoints")
         config = apply_overrides(config_from_dict(run["config"]), overrides)
         try:
-            recipe = Recipe.open(config, 1)
+            recipe = Recipe.open(config, 1, keep_orders=False)  # it writes nothing, the run's orders/ included
         except UserError as err:
             raise UserError(f"{err} (the ledger opens every phase's data: give where it lies here, e.g. "
                             "data.remote=PATH or phases.N.data.remote=PATH)") from None

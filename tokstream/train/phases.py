@@ -100,9 +100,11 @@ class Recipe:
     vocab_size: int  # the model's: each phase's data is checked against it when opened
 
     @classmethod
-    def open(cls, config: TrainConfig, world_size: int) -> "Recipe":
-        """Open every phase's data at start, so that a missing or unfit dataset of a late phase is said now."""
-        if config.data.order_dir is None:  # streaming's orders kept as files the run's relaunches map (order_files.py)
+    def open(cls, config: TrainConfig, world_size: int, keep_orders: bool = True) -> "Recipe":
+        """Open every phase's data at start, so that a missing or unfit dataset of a late phase is said now.
+        `keep_orders`: the run's readers keep streaming's epoch orders as files (data.order_dir, by default in the
+        run's orders/); a reader of the run that writes nothing (the ledger) computes them in memory."""
+        if config.data.order_dir is None and keep_orders:  # files every relaunch maps (order_files.py)
             config = dataclasses.replace(config, data=dataclasses.replace(config.data, order_dir=str(
                 run_orders_dir(config.run_dir, config.run_local))))
         phases = resolve_phases(config)

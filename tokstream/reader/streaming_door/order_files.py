@@ -18,9 +18,11 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,19 +135,21 @@ class OrderInMemory:
         return self.ids[positions]
 
 
-def epoch_order(dataset, epoch: int) -> OrderFile | OrderInMemory:
+def epoch_order(dataset, epoch: int, say: bool = True) -> OrderFile | OrderInMemory:
     """The epoch's order of the dataset, from its file, built first if there is none (one process at a time: the
-    others wait for it and map it). Where the file cannot be written (a full disk, no permission) the order is the
-    same computed in memory, said once per process: the files only save the work."""
+    others wait for it and map it). Where the file cannot be written (no room, not a folder, no permission) each
+    process computes the same order in memory, and `say`s so once: the files only save work."""
     inputs = OrderInputs.of(dataset)
     directory = getattr(dataset, ORDER_DIR_ATTRIBUTE)
     try:
         path = build(inputs, epoch, directory)
-    except OSError as err:
-        if directory not in _said:
+    except NotKept as failed:
+        if say and directory not in _said:
             _said.add(directory)
-            warnings.warn(f"data.order_dir {directory}: the epoch's order cannot be kept there ({err.strerror or err}); "
-                          "each reader computes it in memory, as streaming does, until there is room", stacklevel=2)
+            warnings.warn(f"data.order_dir {directory}: the epoch's order cannot be kept there ({failed.reason}); "
+                          "each reader computes it in memory until there is", stacklevel=2)
+        if failed.sequence is not None:
+            return OrderInMemory(failed.sequence)
         from tokstream.reader.streaming_door.epoch_order import epoch_sequence
 
         return OrderInMemory(epoch_sequence(inputs, epoch))
@@ -155,40 +159,57 @@ def epoch_order(dataset, epoch: int) -> OrderFile | OrderInMemory:
 _said: set[str] = set()  # the order_dirs a warning was given for, in this process
 
 
+class NotKept(Exception):
+    """An epoch's order file could not be written: why, and the order if it was computed before the write failed."""
+
+    def __init__(self, reason: str, sequence: np.ndarray | None = None):
+        super().__init__(reason)
+        self.reason, self.sequence = reason, sequence
+
+
+def _reason(err: OSError) -> str:
+    return err.strerror or str(err)
+
+
 def build(inputs: OrderInputs, epoch: int, directory: str | Path, wait: bool = True) -> Path | None:
     """The epoch's order file, built if it is not there yet. With `wait` False, None at once if another process is
     building it."""
     path = order_path(inputs, epoch, directory)
     if path.exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(f"{path}.lock")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(f"{path}.lock")
         lock.acquire(timeout=-1 if wait else 0)
     except Timeout:
         return None
+    except OSError as err:
+        raise NotKept(_reason(err)) from None
     try:
         if path.exists():  # built while this process waited
             return path
         remove_dead_partials(path.parent)
+        dtype = np.uint32 if inputs.samples_per_shard.sum() <= 1 << 32 else np.int64
+        size = 128 + inputs.epoch_size * np.dtype(dtype).itemsize
+        free = shutil.disk_usage(path.parent).free
+        if free < 2 * size:  # leave the disk as much room as the file takes: a run's checkpoints may share it
+            raise NotKept(f"{free:,} bytes free, and the file takes {size:,}")
         from tokstream.reader.streaming_door.epoch_order import epoch_sequence
 
         sequence = epoch_sequence(inputs, epoch)
-        dtype = np.uint32 if len(inputs.samples_per_shard) == 0 or inputs.samples_per_shard.sum() <= 1 << 32 \
-            else np.int64
-        partial = path.parent / f".{path.name}.{_process_tag(os.getpid())}.partial"
+        partial = path.parent / f".{path.name}@{_process_tag(os.getpid())}.partial"
         try:
             _write(partial, sequence, dtype)
-        except BaseException:  # this process's own partial file: removed, whatever stopped it
-            partial.unlink(missing_ok=True)
-            raise
-        del sequence
-        os.rename(partial, path)
-        directory_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory_fd)
+            os.rename(partial, path)
+            directory_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory_fd)
+            finally:
+                os.close(directory_fd)
+        except OSError as err:
+            raise NotKept(_reason(err), sequence) from None
         finally:
-            os.close(directory_fd)
+            partial.unlink(missing_ok=True)  # this process's own partial file (gone once renamed)
         return path
     finally:
         lock.release()
@@ -209,13 +230,14 @@ WRITE_CHUNK = 1 << 22  # ids per write: bounds the converted copy
 
 
 def _process_tag(pid: int) -> str | None:
-    """host.pid.start: names a process for as long as its host runs (None when there is no such process here)."""
+    """host@pid@start: names a process for as long as its host runs (None when there is no such process here). A
+    host name holds no "@"."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             start = stat.read().rsplit(")", 1)[1].split()[19]  # field 22, the start time in clock ticks since boot
     except (OSError, IndexError):
         return None
-    return f"{socket.gethostname()}.{pid}.{start}"
+    return f"{socket.gethostname()}@{pid}@{start}"
 
 
 def remove_dead_partials(directory: Path) -> None:
@@ -224,10 +246,10 @@ def remove_dead_partials(directory: Path) -> None:
     seen from here."""
     host = socket.gethostname()
     for partial in directory.glob(".order-*.partial"):
-        parts = partial.name[:-len(".partial")].rsplit(".", 3)
+        parts = partial.name[:-len(".partial")].split("@")
         if len(parts) != 4 or parts[1] != host or not parts[2].isdigit():
             continue
-        if _process_tag(int(parts[2])) != f"{host}.{parts[2]}.{parts[3]}":
+        if _process_tag(int(parts[2])) != "@".join(parts[1:]):
             partial.unlink(missing_ok=True)
 
 
@@ -238,8 +260,13 @@ def build_ahead(dataset, epoch: int) -> None:
     directory = getattr(dataset, ORDER_DIR_ATTRIBUTE)
     if order_path(inputs, epoch, directory).exists():
         return
+    # The package's own root first on its path: a script run from elsewhere (train/main.py) put it on its own only.
+    package_root = str(Path(__file__).resolve().parents[3])
+    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     builder = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+                               stderr=subprocess.DEVNULL, start_new_session=True,
+                               env={**os.environ, "PYTHONPATH": path})
+    threading.Thread(target=builder.wait, daemon=True).start()  # reaped when it ends, while this process lives
     try:
         builder.stdin.write(pickle.dumps((inputs, epoch, str(directory))))
         builder.stdin.close()
@@ -252,4 +279,7 @@ if __name__ == "__main__":
 
     streaming_door.install()  # streaming's orders as the readers compute them (the same numbers, faster)
     inputs, epoch, directory = pickle.loads(sys.stdin.buffer.read())
-    build(inputs, epoch, directory, wait=False)
+    try:
+        build(inputs, epoch, directory, wait=False)
+    except NotKept:
+        pass  # the readers of that epoch find no file and build it, or say why they cannot

@@ -419,7 +419,8 @@ class WindowedDownloadAhead(StreamingDataset):
             return super()._get_work(epoch, sample_in_epoch)
         world = self._parallel_worker_world
         ids = worker_ids(self, world.num_nodes, world.ranks_per_node, world.workers_per_rank, epoch, sample_in_epoch,
-                         [(world.node, world.rank_of_node, world.worker_of_rank)])[0]
+                         [(world.node, world.rank_of_node, world.worker_of_rank)],
+                         say=self._unique_worker_world.is_local_leader)[0]
         if order_files.kept_as_files(self) and self._unique_worker_world.is_local_leader:
             order_files.build_ahead(self, epoch + 1)
         return ids
@@ -575,15 +576,17 @@ def in_lazy_order(dataset: StreamingDataset) -> bool:
 
 
 def worker_ids(dataset: StreamingDataset, nodes: int, ranks_per_node: int, workers_per_rank: int, epoch: int,
-               sample_in_epoch: int, workers: list[tuple[int, int, int]]) -> list:
+               sample_in_epoch: int, workers: list[tuple[int, int, int]], say: bool = True) -> list:
     """For a dataset in the lazy order or with its orders kept as files: each (node, rank, worker)'s ids of the epoch
-    from sample_in_epoch on, as streaming would hand them out, each slice computed when read (lazy_order.py)."""
+    from sample_in_epoch on, as streaming would hand them out, each slice computed when read (lazy_order.py). `say`:
+    whether this process warns of an order file it cannot write (a node's first worker does)."""
     from tokstream.reader.lazy_order import LazyEpochOrder, LazyWorkerIds, lazy_partition
     from tokstream.reader.streaming_door import order_files
 
     # The last epoch's order is kept: the ledger asks step after step of one epoch, and its set-up is O(shards).
     settings = (epoch, dataset.shuffle_algo, dataset.shuffle_block_size, dataset.shuffle_seed,
-                dataset.num_canonical_nodes, dataset.sampling_method, tuple(stream.choose for stream in dataset.streams))
+                dataset.num_canonical_nodes, dataset.sampling_method, dataset.sampling_granularity,
+                tuple(stream.choose for stream in dataset.streams))
     kept = getattr(dataset, "_tokstream_epoch_order", None)
     if kept is not None and kept[0] == settings:
         order = kept[1]
@@ -592,7 +595,7 @@ def worker_ids(dataset: StreamingDataset, nodes: int, ranks_per_node: int, worke
                                [stream.choose for stream in dataset.streams], dataset.shuffle_seed, epoch,
                                dataset.num_canonical_nodes, dataset.shuffle_block_size)
     else:
-        order = order_files.epoch_order(dataset, epoch)
+        order = order_files.epoch_order(dataset, epoch, say)
     dataset._tokstream_epoch_order = (settings, order)
     partition = lazy_partition(dataset.partition_algo, dataset.epoch_size, dataset.num_canonical_nodes, nodes,
                                ranks_per_node, workers_per_rank, dataset.batch_size, sample_in_epoch,
@@ -628,7 +631,11 @@ def build_order_files(dataset: StreamingDataset, epochs: range) -> list[Path]:
         return []
     dataset._set_shuffle_block_size(World(num_nodes=1, ranks_per_node=1, workers_per_rank=1, worker=0))
     inputs = order_files.OrderInputs.of(dataset)
-    return [order_files.build(inputs, epoch, dataset.order_dir) for epoch in epochs]
+    try:
+        return [order_files.build(inputs, epoch, dataset.order_dir) for epoch in epochs]
+    except order_files.NotKept as failed:
+        raise UserError(f"data.order_dir {dataset.order_dir}: the epochs' orders cannot be built there "
+                        f"({failed.reason}): give a folder with room, or leave the readers to build them") from None
 
 
 def shard_sizes(dataset: StreamingDataset) -> np.ndarray:
