@@ -120,7 +120,7 @@ def main() -> None:
                 orders.append(("stock", "py1e", "stock"))
             for ranks in args.ranks:
                 for reader, algo, label in orders:
-                    order_dir = Path(workdir) / f"orders-{million:g}M" if label == "file" else None
+                    order_dir = Path(workdir) / f"orders-{million:g}M-{ranks}" if label == "file" else None
                     for name, position, epoch_number in STARTS[label]:
                         if name == "built" and order_dir is not None:  # ahead, while the last epoch was read
                             waited = wait_for_file(order_dir, 1)

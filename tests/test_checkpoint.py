@@ -48,6 +48,13 @@ def test_keeps_last_k_and_ignores_interrupted_writes(tmp_path):
     assert url == f"{tmp_path}/ckpt-00000040.pt" and state["progress"]["step"] == 40
 
 
+def test_keep_every_keeps_older_checkpoints_at_its_multiples_for_a_rewind(tmp_path):
+    for step in range(10, 110, 10):
+        write_checkpoint(LocalRunStore(tmp_path), step, trainer_state(step), 2, RUN_ID, trusted=complete(tmp_path),
+                         keep_every=40)
+    assert complete(tmp_path) == [40, 80, 90, 100]
+
+
 def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
     save_checkpoint(tmp_path, 1, trainer_state(1), keep=3)
     save_checkpoint(tmp_path, 2, trainer_state(2), keep=3)

@@ -583,6 +583,18 @@ def test_a_later_phases_data_replaced_mid_run_stops_the_run_at_its_boundary_and_
         ledger.close()
 
 
+def each_step_reads_its_stream_at(recipe: Recipe, steps: list[list[int]], units_before) -> dict[int, list[int]]:
+    """Assert that each step's ids are its phase's stream from `units_before(phase, step)` units on; each phase's
+    stream (its first 200 samples, read alone)."""
+    streams = {phase.index: stream(recipe.dataset(phase).config, recipe.units[phase.index], 200)
+               for phase in recipe.phases}
+    for step, ids in enumerate(steps):
+        phase = recipe.at(step)
+        at = units_before(phase, step) * recipe.units[phase.index]
+        assert ids == streams[phase.index][at:at + phase.global_batch_size], step
+    return streams
+
+
 def test_units_before_and_the_ledger_give_the_steps_the_reader_reads_across_every_boundary(data):
     """In process, in seconds: for each step of the five phases (a ramp, other data, data read again, a mixture),
     units_before places the step in its stream exactly where PhasedBatches reads it, and the ledger's core, given
@@ -594,12 +606,7 @@ def test_units_before_and_the_ledger_give_the_steps_the_reader_reads_across_ever
     batches = PhasedBatches(recipe, pin_memory=False)
     steps = read_steps(recipe, batches, 0, 20)
     batches.close()
-    streams = {phase.index: stream(recipe.dataset(phase).config, recipe.units[phase.index], 200)
-               for phase in recipe.phases}
-    for step, ids in enumerate(steps):
-        phase = recipe.at(step)
-        at = recipe.units_before(phase, step) * recipe.units[phase.index]
-        assert ids == streams[phase.index][at:at + phase.global_batch_size], step
+    each_step_reads_its_stream_at(recipe, steps, recipe.units_before)
     assert [recipe.units_before(recipe.phases[3], s) for s in (0, 6, 10, 12, 14, 20)] == [0, 6, 14, 14, 18, 18]
 
     ledger = Ledger(config, recipe, records={}, saved_step=0)
@@ -612,6 +619,33 @@ def test_units_before_and_the_ledger_give_the_steps_the_reader_reads_across_ever
             units = [ids[at:at + unit] for at in range(0, len(ids), unit)]
             assert [sorted(two[:, k * unit // 2:(k + 1) * unit // 2].reshape(-1).tolist()) for k in range(len(units))] \
                 == [sorted(u) for u in units], step
+    finally:
+        ledger.close()
+
+
+def test_skipped_steps_move_each_stream_by_what_they_would_have_read_and_the_ledger_follows(data):
+    """skip_steps across phase boundaries, in process: steps 5-7 (a's batch ramp: two steps of 4, one of 8) and 11-12
+    (b's). The trainer reads a skip's steps and leaves them out (skip_when_due, done here as it does it); every step
+    then reads its stream where read_units_before says, and the ledger says the same."""
+    from tokstream.train.ledger import Ledger
+
+    config = phased(data, "skip_steps=[[5,7],[11,12]]")
+    recipe = Recipe.open(config, 1)
+    batches = PhasedBatches(recipe, pin_memory=False)
+    steps, left_out = [], []
+    for step in range(20):
+        if skip := recipe.skip_at(step):
+            left_out += read_steps(recipe, batches, skip[0] - 1, skip[1])
+        steps += read_steps(recipe, batches, step, step + 1)
+    batches.close()
+    streams = each_step_reads_its_stream_at(recipe, steps, recipe.read_units_before)
+    a, b = streams[0], streams[2]
+    assert steps[4] == a[32:36] and steps[6] == a[40:48]  # step 5 reads what step 8 would have; a's ramp goes on
+    assert steps[10] == b[16:24] and steps[12] == a[72:80]  # b moved by its two steps; a again, by the first skip
+    assert sum(left_out, []) == a[16:24] + a[24:32] + b[:16]
+    ledger = Ledger(config, recipe, records={}, saved_step=0)
+    try:
+        assert [ledger.step(step, ranks=1).samples.tolist() for step in range(1, 21)] == [[ids] for ids in steps]
     finally:
         ledger.close()
 

@@ -269,8 +269,8 @@ class Checkpointer:
 
     def __init__(self, store: RunStore, keep: int, dist: Distributed, components: dict[str, Stateful],
                  run_record: dict, metrics_path: Path | None = None, interval: int | None = None,
-                 last_step: int | None = None, background: bool = True):
-        self.store, self.keep, self.dist = store, keep, dist
+                 last_step: int | None = None, background: bool = True, keep_every: int = 0):
+        self.store, self.keep, self.keep_every, self.dist = store, keep, keep_every, dist
         # The cadence (after_step): every `interval` steps, in the background if `background`; at `last_step`, waited for.
         self.interval, self.last_step, self.background = interval, last_step, background
         self.components = components
@@ -336,7 +336,8 @@ class Checkpointer:
         """Write the checkpoint; why it failed, or None."""
         began = time.perf_counter()
         try:
-            write_checkpoint(self.store, step, state, self.keep, self.run_record["run_id"], self._trusted, metrics)
+            write_checkpoint(self.store, step, state, self.keep, self.run_record["run_id"], self._trusted, metrics,
+                             self.keep_every)
         except (OSError, RuntimeError, StoreError) as err:  # disk full, store unreachable, torch.save's writer
             if not out_of_space(err):
                 return str(err)

@@ -8,7 +8,8 @@ which save is the newest: a relaunch takes it as a hint.
 
 Deletion is proven, never inferred. Only these are ever removed:
 - retention: a complete checkpoint whose manifest carries this run's id, once `keep` newer checkpoints
-  the job trusts (the one it resumed from, verified, and those it wrote) exist;
+  the job trusts (the one it resumed from, verified, and those it wrote) exist, unless its step is a multiple
+  of keep_every;
 - a file staged under a save's own names (STAGING_NAME: `ckpt-XXXXXXXX.pt.tmpPID` and the like for
   the manifest, LATEST, LEASE, metrics.jsonl and the write probe; never a complete file), by the
   next launch holding the run's lease, so no live job is writing it;
@@ -157,7 +158,7 @@ class _DigestingWriter:
 
 
 def write_checkpoint(store: RunStore, step: int, state: dict, keep: int, run_id: str, trusted: list[int],
-                     metrics: bytes | None = None) -> None:
+                     metrics: bytes | None = None, keep_every: int = 0) -> None:
     """Data, manifest, the metrics (an S3 run's copy), LATEST; then retention, counting the `trusted`
     steps (the writer's own saves and the one it resumed from, verified) and `step`. Raises what a write raised."""
     name = checkpoint_name(step)
@@ -180,13 +181,13 @@ def write_checkpoint(store: RunStore, step: int, state: dict, keep: int, run_id:
     if metrics is not None:
         store.publish_bytes(METRICS_FILE, metrics)
     store.publish_bytes(POINTER, json.dumps({"checkpoint": name, "step": step}).encode())
-    remove_beyond_keep(store, keep, run_id, [*trusted, step])
+    remove_beyond_keep(store, keep, run_id, [*trusted, step], keep_every)
 
 
-def remove_beyond_keep(store: RunStore, keep: int, run_id: str, trusted: list[int]) -> None:
-    """Retention: this run's checkpoints older than the `keep` newest `trusted` ones. Only trusted ones
-    count: a damaged checkpoint left where it was must not push good ones out. Data first, so a removal
-    cut off leaves a manifest without data, never data without a manifest."""
+def remove_beyond_keep(store: RunStore, keep: int, run_id: str, trusted: list[int], keep_every: int = 0) -> None:
+    """Retention: this run's checkpoints older than the `keep` newest `trusted` ones, but those at a multiple of
+    `keep_every` (rewind targets). Only trusted ones count: a damaged checkpoint left where it was must not push good
+    ones out. Data first, so a removal cut off leaves a manifest without data, never data without a manifest."""
     trusted = sorted(set(trusted))
     if keep <= 0 or len(trusted) < keep:
         return
@@ -196,7 +197,10 @@ def remove_beyond_keep(store: RunStore, keep: int, run_id: str, trusted: list[in
     def ours(step: int) -> bool:
         return (read_manifest(store, step) or {}).get("run_id") == run_id
 
-    doomed = [step for step in survey.complete if step < oldest_kept and ours(step)]
+    def kept_every(step: int) -> bool:
+        return bool(keep_every) and step % keep_every == 0
+
+    doomed = [step for step in survey.complete if step < oldest_kept and not kept_every(step) and ours(step)]
     strays = [step for step in survey.stray_manifests if step < oldest_kept and ours(step)]
     if doomed:
         store.remove([checkpoint_name(step) for step in doomed])

@@ -83,6 +83,7 @@ class TrainConfig:
     eval_batches: int = 20
     checkpoint_interval: int = 1000
     keep_checkpoints: int = 3  # 0: keep every checkpoint
+    keep_every: int = 0  # also keep every checkpoint at a multiple of this step (rewind targets); 0: none
     # Periodic checkpoints are copied to host memory at the step boundary and written while training
     # goes on; preemption and final saves always wait until written.
     background_checkpoints: bool = True
@@ -98,6 +99,13 @@ class TrainConfig:
     resume_allow: list[str] = field(default_factory=list)
     # A recipe that changes during the run: global batch, data and block size from a step on (README, "Phases").
     phases: list[PhaseConfig] = field(default_factory=list)
+    # Steps whose data is left out, [[A, B], ...] (both counted, from 1 as metrics.jsonl counts): on reaching step A
+    # the run reads what step B + 1 would have read, and goes on from there (docs/loss-spikes.md). A pair, not
+    # A:B, which YAML reads as a number in base 60.
+    skip_steps: list[list[int]] = field(default_factory=list)
+    # Resume from this earlier checkpoint of the run instead of the newest: what came after is moved aside into
+    # run_dir/abandoned/ (rewind.py). Relaunching the same command goes on in the new branch.
+    resume_from: int | None = None
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -239,7 +247,8 @@ RANGES = {
     "seed": (0, True, 2**31, "each rank seeds with seed + its rank"), "max_steps": (1, True, None, ""), "global_batch_size": (1, True, None, ""), "micro_batch_size": (1, True, None, ""),
     "log_interval": (1, True, None, ""), "eval_interval": (0, True, None, "0 turns evaluation off"),
     "eval_batches": (1, True, None, ""), "checkpoint_interval": (1, True, None, ""),
-    "keep_checkpoints": (0, True, None, "0 keeps every checkpoint"), "preempt_grace_s": (0, False, None, ""),
+    "keep_checkpoints": (0, True, None, "0 keeps every checkpoint"), "keep_every": (0, True, None, "0 keeps none"),
+    "resume_from": (0, True, None, "a checkpoint's step"), "preempt_grace_s": (0, False, None, ""),
     "lease_interval_s": (0, False, None, ""),
     "model.vocab_size": (1, True, None, ""), "model.block_size": (1, True, None, ""), "model.n_layer": (1, True, None, ""),
     "model.n_head": (1, True, None, ""), "model.n_embd": (1, True, None, ""), "model.dropout": (0, True, 1, ""),
@@ -253,6 +262,27 @@ RANGES = {
     "data.download_retry": (0, True, None, ""), "data.max_documents": (1, True, None, ""),
     "data.lazy_order_from": (1, True, None, "samples from which `auto` reads a dataset in the lazy order"),
 }
+
+
+def check_skips(skips: object) -> None:
+    """skip_steps: pairs [A, B] of steps counted from 1, A <= B, in order and apart; one line refusing anything else."""
+    example = "e.g. skip_steps=[[1200,1450]]"
+    if not isinstance(skips, list):
+        raise UserError(f"skip_steps must be a list of [first, last] pairs, got {skips!r}: {example}")
+    previous = 0
+    for pair in skips:
+        if isinstance(pair, int) and not isinstance(pair, bool):
+            raise UserError(f"skip_steps holds {pair!r}, a number (YAML reads A:B in base 60): give the pair as "
+                            f"[A, B], {example}")
+        whole = isinstance(pair, list) and len(pair) == 2 and all(
+            isinstance(step, int) and not isinstance(step, bool) for step in pair)
+        if not whole or not 1 <= pair[0] <= pair[1]:
+            raise UserError(f"skip_steps holds {pair!r}: each skip is [first, last], steps counted from 1 with "
+                            f"first <= last, {example}")
+        if pair[0] <= previous:
+            raise UserError(f"skip_steps: {pair!r} starts at or before the end of the skip before it ({previous}): "
+                            "list the skips in order, apart")
+        previous = pair[1]
 
 
 # Settings where .inf means something: no deadline for the grace, no clipping at all.
@@ -297,6 +327,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
             _apply(config, str(key), value, path)
     apply_overrides(config, overrides)
     check_ranges(config)
+    check_skips(config.skip_steps)
     first = config.phases[0].data if config.phases else config.data
     if not (config.data.remote or config.data.streams or first.remote or first.streams):
         raise UserError("data.remote is not set: give the dataset root, e.g. data.remote=data/owt, or a mixture "

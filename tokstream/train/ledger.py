@@ -104,7 +104,7 @@ class Ledger:
         if ranks % nodes or unit % ranks:
             raise UserError(f"step {step} reads its data in global batches of {unit} samples, which {ranks} ranks on "
                             f"{nodes} node{'s' * (nodes > 1)} do not share evenly")
-        read = self.order(phase).steps(self.recipe.units_before(phase, step - 1), phase.global_batch_size // unit,
+        read = self.order(phase).steps(self.recipe.read_units_before(phase, step - 1), phase.global_batch_size // unit,
                                        nodes, ranks // nodes)
         return StepReads(step, phase, nodes, ranks, recorded, read.transpose(1, 0, 2).reshape(ranks, -1))
 

@@ -98,6 +98,7 @@ class Recipe:
     micro_batch_size: int
     world_size: int
     vocab_size: int  # the model's: each phase's data is checked against it when opened
+    skips: tuple[tuple[int, int], ...] = ()  # skip_steps: (first, last), steps counted from 1
 
     @classmethod
     def open(cls, config: TrainConfig, world_size: int, keep_orders: bool = True) -> "Recipe":
@@ -144,7 +145,8 @@ class Recipe:
                                 f"to read it): use a multiple of {unit}, so that each step takes whole units of "
                                 "the data's order")
             units.append(unit)
-        return cls(phases, datasets, units, config.micro_batch_size, world_size, vocab)
+        return cls(phases, datasets, units, config.micro_batch_size, world_size, vocab,
+                   tuple((first, last) for first, last in config.skip_steps))
 
     def changed_since_opened(self, phase: Phase) -> str | None:
         """Why `phase`'s data, opened again now, is not what open() found (another conversion replaced it, or it
@@ -224,6 +226,18 @@ class Recipe:
                 end = min(step, following.start_step) if following else step
                 taken += max(0, end - other.start_step) * (other.global_batch_size // unit)
         return taken
+
+    def read_units_before(self, phase: Phase, step: int) -> int:
+        """How far into `phase`'s stream step `step` (0-based) reads: the units the steps before it took, and those
+        the skips that have begun by then left out (the units steps first..last would have taken from the stream:
+        the trainer reads them and leaves them out, skip_when_due)."""
+        skipped = sum(self.units_before(phase, last) - self.units_before(phase, first - 1)
+                      for first, last in self.skips if first - 1 <= step)
+        return self.units_before(phase, step) + skipped
+
+    def skip_at(self, step: int) -> tuple[int, int] | None:
+        """The skip that begins at step `step` (0-based), if any."""
+        return next((skip for skip in self.skips if skip[0] == step + 1), None)
 
     def describe_epochs(self) -> list[str]:
         """A line per stream for the start of a run (its epochs, what each source gives them); refuses data too

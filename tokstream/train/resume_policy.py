@@ -21,7 +21,7 @@ from tokstream.train.config import TrainConfig, config_from_dict
 from tokstream.train.phases import Phase, resolve_phases, started
 
 FREE = ("run_dir", "run_local", "log_interval", "eval_interval", "eval_batches", "checkpoint_interval",
-        "keep_checkpoints", "background_checkpoints", "preempt_grace_s", "lease_interval_s", "trace_samples",
+        "keep_checkpoints", "keep_every", "resume_from", "background_checkpoints", "preempt_grace_s", "lease_interval_s", "trace_samples",
         "device", "compile", "deterministic", "micro_batch_size",
         "data.remote", "data.local", "data.val_split", "data.num_workers", "data.prefetch_factor",
         "data.predownload", "data.cache_limit", "data.validate_hash", "data.download_retry",
@@ -83,6 +83,9 @@ def check_relaunch(saved: dict, config: TrainConfig, step: int) -> list[str]:
     # A schedule in tokens (optim.decay_tokens) does not move with max_steps.
     schedule_holds = _decay_steps(saved) == _decay_steps(now) or now["optim"].get("decay_tokens") is not None
     notes = check_phases(saved, config, step) if phased else []
+    if "skip_steps" in changed or ("skip_steps" not in old_flat and config.skip_steps):
+        notes.append(check_skips(saved.get("skip_steps", []), config.skip_steps, step))
+    changed = [key for key in changed if key != "skip_steps"]
     for key in changed:
         change = f"{key} changed from {old_flat[key]!r} to {new_flat[key]!r}"
         free = any(fnmatch(key, pattern) for pattern in FREE)
@@ -102,6 +105,18 @@ def check_relaunch(saved: dict, config: TrainConfig, step: int) -> list[str]:
             raise UserError(f"{change} since the checkpoint: a resumed run keeps its recipe; use a new run_dir, or "
                             f"add resume_allow=[{key}] to change it on purpose")
     return notes
+
+
+def check_skips(saved: list, now: list, step: int) -> str:
+    """Refuse a change of skip_steps that would change a step the run has trained (a skip that has begun by `step`
+    was done, all of it, before its first step); the line for one that begins later."""
+    begun = lambda skips: [list(skip) for skip in skips if skip[0] <= step]  # noqa: E731
+    if begun(saved) != begun(now):
+        changed = next(skip for skip in [*begun(saved), *begun(now)] if (skip in begun(saved)) != (skip in begun(now)))
+        raise UserError(f"skip_steps {changed} begins at or before step {step}, which the checkpoint's run has trained "
+                        f"with skip_steps {saved}: a skip must begin after step {step}, and the skips already done "
+                        "stay as they were")
+    return f"skip_steps changed from {saved!r} to {now!r}, after the checkpoint's step {step}"
 
 
 def _phase_settings(phase: Phase, keys: tuple[str, ...]) -> dict:

@@ -30,6 +30,7 @@ from tokstream.train.phased_batches import PhasedBatches
 from tokstream.train.phases import Phase, Recipe
 from tokstream.train.preemption import PreemptionWatch
 from tokstream.train.resume_policy import check_relaunch, keep_run_order
+from tokstream.train.rewind import rewind
 from tokstream.train.run_lease import RunLease
 from tokstream.train.rng import RankRNG
 from tokstream.train.run_store import RunStore, S3RunStore, open_run_store
@@ -85,6 +86,8 @@ def setup(config: TrainConfig) -> Run:
 
 def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunStore, lease: RunLease | None) -> Run:
     """setup()'s part under the run's lease: resume or start, and everything the loop uses."""
+    if config.resume_from is not None:
+        rewind_when_asked(store, config.resume_from, dist)
     checkpoint_url, saved = find_latest(store, dist)
     recipe.check_plans(saved["progress"]["step"] if saved is not None else 0)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
@@ -134,7 +137,7 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
                                             "phase_identities": [dataset.identity for dataset in recipe.datasets]},
                                 metrics_path=metrics.path if in_store else None,
                                 interval=config.checkpoint_interval, last_step=config.max_steps,
-                                background=config.background_checkpoints)
+                                background=config.background_checkpoints, keep_every=config.keep_every)
     if saved is not None:
         checkpointer.restore(saved)
         if dist.master:
@@ -252,6 +255,22 @@ def model_inputs(batch: dict, device: torch.device, config: TrainConfig) -> tupl
     return inputs, targets, document_args
 
 
+def rewind_when_asked(store: RunStore, step: int, dist: Distributed) -> None:
+    """resume_from: rank 0 moves aside what the run wrote after checkpoint `step` (rewind.py), under the lease; every
+    rank stops if it cannot."""
+    said, refusal = None, None
+    if dist.master:
+        try:
+            said = rewind(store, step)
+        except (UserError, StoreError) as err:
+            refusal = str(err)
+    said, refusal = dist.gather((said, refusal))[0]
+    if refusal is not None:
+        raise UserError(refusal)
+    if said and dist.master:
+        print(said)
+
+
 def hold_the_lease(store: RunStore, interval_s: float, dist: Distributed) -> RunLease | None:
     """Rank 0 takes the run's lease for the job (run_lease.py) and returns it; every rank stops if it cannot."""
     refusal, lease = None, None
@@ -316,9 +335,12 @@ def train(config: TrainConfig) -> bool:
         if run.preemption.should_stop():  # collective: every rank stops at this same step
             save_on_notice(run, bar)
             break
+        skipped = skip_when_due(run)
         if (line := enter_phase(run, run.progress.step)) and run.dist.master:
             bar.write(line)
         record = train_step(run)
+        if skipped:
+            record["skipped"] = skipped
         evaluate_when_due(run, record, bar)
         log_step(run, record, bar, first_step)
         run.checkpointer.after_step(record["step"])
@@ -327,6 +349,37 @@ def train(config: TrainConfig) -> bool:
     if run.lease is not None:
         run.lease.release()
     return run.progress.step >= config.max_steps
+
+
+def skip_when_due(run: Run) -> dict | None:
+    """At the first step of a skip (skip_steps [first, last]), read the data of steps first..last and leave it out:
+    each stream goes on from where step last + 1 would have read it (Recipe.read_units_before, the ledger's). What was
+    left out, per source (and each rank's ids with trace_samples), for that step's line in metrics.jsonl."""
+    skip = run.recipe.skip_at(run.progress.step)
+    if skip is None:
+        return None
+    first, last = skip
+    left_out: dict[str, int] = {}
+    ids: list[int] = []
+    for index in range(first - 1, last):
+        phase = run.recipe.at(index)
+        run.batches.enter(phase)
+        names = run.recipe.dataset(phase).source_names
+        for _ in range(run.recipe.plan(phase).accumulation):
+            read = next(run.batches)["ids"].tolist()
+            ids.extend(read)
+            counts = torch.from_numpy(run.batches.samples_per_source(read)).to(run.dist.device)
+            run.dist.sum(counts)
+            for name, count in zip(names, counts.tolist()):
+                left_out[name] = left_out.get(name, 0) + count
+    run.batches.enter(run.recipe.at(run.progress.step))  # the step's own stream, wherever the skip ended
+    said = {"steps": [first, last], "samples_per_source": left_out}
+    if run.config.trace_samples:
+        said["samples"] = run.dist.gather(ids)
+    if run.dist.master:
+        print(f"skip_steps: the data of steps {first} to {last} left out ({sum(left_out.values()):,} samples); "
+              f"step {first} reads what step {last + 1} would have")
+    return said
 
 
 def progress_bar(run: Run) -> tqdm:

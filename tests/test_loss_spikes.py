@@ -1,0 +1,104 @@
+"""When the loss spikes (docs/loss-spikes.md): skip_steps leaves out named steps' data, exactly, through torchrun, a
+preemption and a change of world size, and the ledger says what every step read."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+from test_training import finish, launch, metrics, train, wait_for
+
+from tokstream.train.checkpoint_files import latest_step
+from tokstream.train.run_store import LocalRunStore
+
+SKIP = "skip_steps=[[6,8]]"
+
+
+def samples(record: dict) -> list[int]:
+    return sorted(sum(record["samples"], []))
+
+
+@pytest.mark.long
+def test_skipped_steps_data_is_left_out_exactly_through_a_preemption_and_another_world_size(dataset, tmp_path):
+    """skip_steps [[6, 8]]: step 6 reads what step 9 would have, and every later step what it would three steps on
+    (an uninterrupted run without the skip says what each step would have read). With the skip from the start, 2
+    ranks SIGTERMed after a checkpoint, relaunched on 1 rank: every step's samples are the uninterrupted skipping run's,
+    its losses bitwise until the world size changes; step 6's line says what was left out; the ledger agrees with
+    the trace; and a skip that would change a trained step is refused in one line."""
+    train(2, dataset, tmp_path / "plain")
+    plain = {m["step"]: m for m in metrics(tmp_path / "plain")}
+    train(2, dataset, tmp_path / "reference", SKIP)
+    reference = metrics(tmp_path / "reference")
+    for record in reference:
+        step = record["step"]
+        shifted = step if step < 6 else step + 3
+        if shifted in plain:
+            assert samples(record) == samples(plain[shifted]), step
+    said = reference[5]["skipped"]
+    assert said["steps"] == [6, 8] and sum(said["samples_per_source"].values()) == 3 * 8
+    assert sorted(sum(said["samples"], [])) == sorted(sum((samples(plain[s]) for s in (6, 7, 8)), []))
+
+    run_dir, store = tmp_path / "interrupted", LocalRunStore(str(tmp_path / "interrupted"))
+    first = launch(2, dataset, run_dir, SKIP)
+    wait_for(lambda: (latest_step(store) or 0) >= 8 and len(metrics(run_dir)) >= 9)
+    os.killpg(first.pid, signal.SIGTERM)
+    first.communicate(timeout=120)
+    stopped = latest_step(store)
+    refused = launch(1, dataset, run_dir, "skip_steps=[[6,8],[3,4]]")
+    output = refused.communicate(timeout=120)[0]
+    assert refused.returncode != 0 and "skip_steps [3, 4] begins at or before step" in output, output
+    finish(launch(1, dataset, run_dir, SKIP))
+    interrupted = metrics(run_dir)
+    assert [m["step"] for m in interrupted] == [m["step"] for m in reference]
+    for got, want in zip(interrupted, reference):
+        assert samples(got) == samples(want), got["step"]
+        if got["step"] <= stopped:
+            assert got["samples"] == want["samples"] and got["loss"] == want["loss"], got["step"]
+    ledger = subprocess.run([sys.executable, str(ROOT / "train/ledger.py"), str(run_dir), "--steps", "1:16", "--json"],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert ledger.returncode == 0, ledger.stderr
+    answered = [json.loads(line) for line in ledger.stdout.splitlines()]
+    assert [sorted(sum(line["samples"], [])) for line in answered] == [samples(m) for m in interrupted]
+
+
+def digests(folder) -> dict[str, str]:
+    import hashlib
+
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.iterdir())
+            if path.is_file() and (path.name.startswith("ckpt-") or path.name == "metrics.jsonl")}
+
+
+@pytest.mark.long
+def test_a_rewind_with_a_skip_trains_as_a_run_that_always_skipped_and_keeps_the_abandoned_branch(dataset, tmp_path):
+    """Trained to step 16 (a checkpoint every 4, all kept), relaunched with resume_from=8 skip_steps=[[9,11]]: the
+    checkpoints after 8 and metrics.jsonl as it was are moved to abandoned/, byte for byte. The branch, SIGTERMed after
+    a checkpoint and relaunched with the same command on 1 rank, goes on from its own newest checkpoint (it does not
+    rewind again), and every step is what a run with skip_steps=[[9,11]] from the start trains: the same samples, the
+    losses bitwise until the world size changes."""
+    keep_all = "keep_checkpoints=0"
+    train(2, dataset, tmp_path / "reference", "skip_steps=[[9,11]]", keep_all)
+    reference = metrics(tmp_path / "reference")
+    run_dir, store = tmp_path / "run", LocalRunStore(str(tmp_path / "run"))
+    train(2, dataset, run_dir, keep_all)
+    before = {name: digest for name, digest in digests(run_dir).items()
+              if name == "metrics.jsonl" or int(name[5:13]) > 8}
+    branch = ["resume_from=8", "skip_steps=[[9,11]]", keep_all]
+    first = launch(2, dataset, run_dir, *branch)
+    wait_for(lambda: (run_dir / "abandoned").exists() and (latest_step(store) or 0) >= 12 and len(metrics(run_dir)) >= 13)
+    os.killpg(first.pid, signal.SIGTERM)
+    said = first.communicate(timeout=120)[0]
+    assert "resume_from=8: rewound; checkpoints 12, 16 and metrics.jsonl as it was moved to" in said, said
+    stopped = latest_step(store)
+    again = finish(launch(1, dataset, run_dir, *branch))
+    assert "rewound" not in again and f"resumed from {run_dir}/ckpt-{stopped:08d}.pt" in again, again
+    (abandoned,) = (run_dir / "abandoned").iterdir()
+    assert digests(abandoned) == before  # the abandoned branch, byte for byte
+    branch_metrics = metrics(run_dir)
+    assert [m["step"] for m in branch_metrics] == [m["step"] for m in reference] == list(range(1, 17))
+    for got, want in zip(branch_metrics, reference):
+        assert samples(got) == samples(want), got["step"]
+        if got["step"] <= stopped:
+            assert got["samples"] == want["samples"] and got["loss"] == want["loss"], got["step"]

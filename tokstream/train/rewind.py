@@ -1,0 +1,71 @@
+"""Rewinding a run to an earlier checkpoint (resume_from=STEP; docs/loss-spikes.md): the checkpoints after it, and
+metrics.jsonl as it was, are moved aside into run_dir/abandoned/, never deleted, and the run resumes from STEP.
+
+The invariant: nothing is removed. A rewind moves later checkpoints (data file and manifest, each renamed whole) and
+copies metrics.jsonl into a folder of its own, then points LATEST at STEP; the relaunch then trims metrics.jsonl to
+STEP as any resume does. Every checkpoint the branch writes records resume_from in its config, so relaunching the
+same command after a preemption goes on in the branch: a run rewinds only while a checkpoint newer than STEP was
+written by another branch. A rewind cut off is finished by the next launch (into a folder of its own).
+"""
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from tokstream.errors import UserError
+from tokstream.train.checkpoint_files import Survey, checkpoint_name, manifest_name, read_manifest
+from tokstream.train.metrics import METRICS_FILE
+from tokstream.train.run_store import POINTER, LocalRunStore, RunStore
+
+ABANDONED = "abandoned"
+
+
+def rewind(store: RunStore, step: int) -> str | None:
+    """Move aside what the run wrote after checkpoint `step` unless it is this rewind's own branch; the line that
+    says where, or None when there was nothing to move."""
+    survey = Survey.of(store)
+    if survey.complete and on_branch(store, survey.complete[-1], step):
+        return None  # the branch this rewind began goes on (its checkpoint at `step` may have been retired since)
+    if step not in survey.complete:
+        have = ", ".join(map(str, survey.complete)) or "none"
+        raise UserError(f"resume_from={step}: the run has no complete checkpoint at step {step} (it has {have}); "
+                        "give one of those steps (keep_checkpoints=0, or keep_every, keeps older ones)")
+    later = sorted({s for s in survey.complete + survey.without_manifest + survey.stray_manifests if s > step})
+    if not later:
+        return None
+    if not isinstance(store, LocalRunStore):
+        raise UserError(f"resume_from={step}: rewinding a run_dir in S3 is not built yet; copy the run to a local "
+                        "folder to rewind it there")
+    folder = store.root / ABANDONED / f"after-{step:08d}-{time.strftime('%Y%m%dT%H%M%S')}"
+    folder.mkdir(parents=True)
+    if (store.root / METRICS_FILE).exists():
+        shutil.copy2(store.root / METRICS_FILE, folder / METRICS_FILE)
+    if (store.root / POINTER).exists():
+        shutil.copy2(store.root / POINTER, folder / POINTER)
+    for later_step in later:  # data file first: a move cut off leaves a manifest without data, never the reverse
+        for name in (checkpoint_name(later_step), manifest_name(later_step)):
+            if (store.root / name).exists():
+                os.replace(store.root / name, folder / name)
+    _sync(folder)
+    _sync(store.root)
+    store.publish_bytes(POINTER, json.dumps({"checkpoint": checkpoint_name(step), "step": step}).encode())
+    moved = ", ".join(map(str, later))
+    return (f"resume_from={step}: rewound; checkpoints {moved} and metrics.jsonl as it was moved to "
+            f"{folder.relative_to(store.root.parent) if store.root.parent != Path('.') else folder}")
+
+
+def on_branch(store: RunStore, newest: int, step: int) -> bool:
+    """Whether the newest checkpoint was written by a launch that rewound to `step`: its config says so."""
+    manifest = read_manifest(store, newest) or {}
+    config = (manifest.get("run") or {}).get("config") or {}
+    return config.get("resume_from") == step
+
+
+def _sync(folder: Path) -> None:
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
