@@ -47,7 +47,7 @@ def test_skipped_steps_data_is_left_out_exactly_through_a_preemption_and_another
     os.killpg(first.pid, signal.SIGTERM)
     first.communicate(timeout=120)
     stopped = latest_step(store)
-    refused = launch(1, dataset, run_dir, "skip_steps=[[6,8],[3,4]]")
+    refused = launch(1, dataset, run_dir, "skip_steps=[[3,4],[6,8]]")
     output = refused.communicate(timeout=120)[0]
     assert refused.returncode != 0 and "skip_steps [3, 4] begins at or before step" in output, output
     finish(launch(1, dataset, run_dir, SKIP))
@@ -57,11 +57,15 @@ def test_skipped_steps_data_is_left_out_exactly_through_a_preemption_and_another
         assert samples(got) == samples(want), got["step"]
         if got["step"] <= stopped:
             assert got["samples"] == want["samples"] and got["loss"] == want["loss"], got["step"]
-    ledger = subprocess.run([sys.executable, str(ROOT / "train/ledger.py"), str(run_dir), "--steps", "1:16", "--json"],
+    assert [sorted(sum(line["samples"], [])) for line in ledger_lines(run_dir, "1:16")] == \
+        [samples(m) for m in interrupted]
+
+
+def ledger_lines(run_dir, steps: str) -> list[dict]:
+    ledger = subprocess.run([sys.executable, str(ROOT / "train/ledger.py"), str(run_dir), "--steps", steps, "--json"],
                             capture_output=True, text=True, cwd=ROOT)
     assert ledger.returncode == 0, ledger.stderr
-    answered = [json.loads(line) for line in ledger.stdout.splitlines()]
-    assert [sorted(sum(line["samples"], [])) for line in answered] == [samples(m) for m in interrupted]
+    return [json.loads(line) for line in ledger.stdout.splitlines()]
 
 
 def digests(folder) -> dict[str, str]:
@@ -102,3 +106,6 @@ def test_a_rewind_with_a_skip_trains_as_a_run_that_always_skipped_and_keeps_the_
         assert samples(got) == samples(want), got["step"]
         if got["step"] <= stopped:
             assert got["samples"] == want["samples"] and got["loss"] == want["loss"], got["step"]
+    assert branch_metrics[8]["skipped"]["steps"] == [9, 11]
+    assert [sorted(sum(line["samples"], [])) for line in ledger_lines(run_dir, "1:16")] == \
+        [samples(m) for m in branch_metrics]

@@ -145,16 +145,21 @@ def test_builders_racing_for_one_epoch_build_it_once(mixture, tmp_path):
     for it and take the same file, and no partial file is left."""
     files = dataclasses.replace(mixture, order_dir=str(tmp_path / "orders"))
     code = ("import dataclasses, os, sys; from tokstream.reader import DataConfig, SampleOrder, StreamConfig, open_dataset;"
-            "config = eval(sys.stdin.read()); order = SampleOrder(open_dataset(config), 8);"
-            "print(os.stat(order.build_order_files(range(4, 5))[0]).st_ino); order.close()")
+            "config = eval(sys.stdin.readline()); order = SampleOrder(open_dataset(config), 8); print('ready', flush=True);"
+            "sys.stdin.readline(); print(os.stat(order.build_order_files(range(4, 5))[0]).st_ino); order.close()")
     racers = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
               for _ in range(4)]
     for racer in racers:
-        racer.stdin.write(repr(files))
+        racer.stdin.write(repr(files) + "\n")
+        racer.stdin.flush()
+    assert [racer.stdout.readline().strip() for racer in racers] == ["ready"] * 4  # all opened: they start together
+    for racer in racers:
+        racer.stdin.write("go\n")
         racer.stdin.close()
     inodes = {racer.stdout.read().strip() for racer in racers}
     assert [racer.wait() for racer in racers] == [0] * 4
     assert len(inodes) == 1 and set(epoch_files(tmp_path / "orders")) == {4}
+    assert inodes == {str(os.stat(tmp_path / "orders" / epoch_files(tmp_path / "orders")[4]).st_ino)}
     assert not [name for name in os.listdir(tmp_path / "orders") if name.endswith(".partial")]
     whole, _ = read(files, BatchPlan(8, 8, 1), 5 * sum(open_dataset(mixture).epoch_samples(BatchPlan(8, 1, 1))) // 8)
     stock, _ = read(mixture, BatchPlan(8, 8, 1), len(whole))
