@@ -89,6 +89,10 @@ def test_a_rewind_with_a_skip_trains_as_a_run_that_always_skipped_and_keeps_the_
     train(2, dataset, run_dir, keep_all)
     before = {name: digest for name, digest in digests(run_dir).items()
               if name == "metrics.jsonl" or int(name[5:13]) > 8}
+    refused = launch(2, dataset, run_dir, "resume_from=8", "skip_steps=[[6,9]]", keep_all)
+    output = refused.communicate(timeout=120)[0]
+    assert refused.returncode != 0 and "skip_steps [6, 9] begins at or before step 8" in output, output
+    assert not (run_dir / "abandoned").exists() and latest_step(store) == 16  # a refused relaunch moved nothing
     branch = ["resume_from=8", "skip_steps=[[9,11]]", keep_all]
     first = launch(2, dataset, run_dir, *branch)
     wait_for(lambda: (run_dir / "abandoned").exists() and (latest_step(store) or 0) >= 12 and len(metrics(run_dir)) >= 13)
@@ -109,3 +113,39 @@ def test_a_rewind_with_a_skip_trains_as_a_run_that_always_skipped_and_keeps_the_
     assert branch_metrics[8]["skipped"]["steps"] == [9, 11]
     assert [sorted(sum(line["samples"], [])) for line in ledger_lines(run_dir, "1:16")] == \
         [samples(m) for m in branch_metrics]
+
+
+@pytest.mark.long
+def test_the_guard_skips_spikes_updates_resumes_exactly_and_its_stop_says_the_command_that_rewinds(dataset, tmp_path):
+    """guard.zscore 0.3 over 16 steps (low, so that spikes come): each spike's line says its update was skipped; a run
+    SIGTERMed after step 20 and relaunched judges every step as the uninterrupted run did (its window is in the
+    checkpoint): the same losses, bitwise. With guard.action stop the run ends at the first spike with exit 75 and
+    the settings that rewind and skip, which a relaunch takes."""
+    guard = ["max_steps=30", "optim.decay_steps=30", "guard.zscore=0.3", "guard.window=16", "keep_checkpoints=0"]
+    train(1, dataset, tmp_path / "reference", *guard)
+    reference = metrics(tmp_path / "reference")
+    spikes = [m["step"] for m in reference if "guard" in m]
+    assert spikes and all(m["guard"]["update"] == "skipped" for m in reference if "guard" in m), spikes
+    assert min(spikes) > 16  # judged once the window holds 16 steps
+
+    run_dir, store = tmp_path / "interrupted", LocalRunStore(str(tmp_path / "interrupted"))
+    first = launch(1, dataset, run_dir, *guard)
+    wait_for(lambda: (latest_step(store) or 0) >= 20 and len(metrics(run_dir)) >= 21)
+    os.killpg(first.pid, signal.SIGTERM)
+    first.communicate(timeout=120)
+    finish(launch(1, dataset, run_dir, *guard))
+    assert [(m["step"], m["loss"], m.get("guard")) for m in metrics(run_dir)] == \
+        [(m["step"], m["loss"], m.get("guard")) for m in reference]
+
+    stop_dir = tmp_path / "stopped"
+    stopped = launch(1, dataset, stop_dir, *guard, "guard.action=stop", "guard.rewind=2", "guard.skip=3")
+    output = stopped.communicate(timeout=300)[0]
+    assert stopped.returncode != 0 and "failed (exitcode: 75)" in output, output  # the ranks' 75, as a preemption's
+    spike = min(spikes)
+    target = max(step for step in range(4, spike - 2, 4))  # checkpoints every 4 steps; at least 2 before the spike
+    settings = f"resume_from={target} skip_steps=[[{spike},{spike + 2}]]"
+    assert f"loss spike at step {spike} (" in output and \
+        f"update not applied; to rewind and leave out its data, relaunch with: {settings}\n" in output, output
+    finish(launch(1, dataset, stop_dir, *guard, "guard.action=skip", "resume_allow=[guard.action]",
+                  *settings.split()))
+    assert [m["step"] for m in metrics(stop_dir)] == list(range(1, 31))

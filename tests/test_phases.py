@@ -650,6 +650,16 @@ def test_skipped_steps_move_each_stream_by_what_they_would_have_read_and_the_led
         ledger.close()
 
 
+def test_a_phase_a_done_skip_read_into_is_started_and_keeps_its_recipe(data):
+    """skip_steps [[5, 7]] read step 7's data, phase 1's: a relaunch from step 5 may not edit phase 1 any more."""
+    from tokstream.train.resume_policy import check_relaunch
+
+    saved = phased(data, "skip_steps=[[5,7]]").to_dict()
+    with pytest.raises(UserError, match="phases.1"):
+        check_relaunch(saved, phased(data, "skip_steps=[[5,7]]", "phases.1.global_batch_size=12"), 5)
+    assert check_relaunch(saved, phased(data, "skip_steps=[[5,7]]", "phases.2.global_batch_size=16"), 5)
+
+
 def test_data_a_trained_phase_read_changed_under_a_later_phase_stops_the_run_saying_to_put_it_back(tmp_path):
     """Phases a, b, then a again: a is converted again while b trains. At the boundary the run stops in one line
     that says the data must be put back (phases.0 trained on it, so a relaunch would be refused, and is); put back,

@@ -291,6 +291,8 @@ class Checkpointer:
         """Load every component; the run keeps the id its checkpoints carry (none before 2026-11-24)."""
         self.run_record["run_id"] = saved["run"].get("run_id") or self.run_record["run_id"]
         for name, component in self.components.items():
+            if name not in saved and getattr(component, "optional_in_checkpoints", False):
+                continue  # a checkpoint from before the component existed
             component.load_state_dict(saved[name])
         self.saved_step = self.snapshot_step = saved["progress"]["step"]
         self._trusted.append(self.saved_step)

@@ -44,6 +44,17 @@ class OptimConfig:
 
 
 @dataclass
+class GuardConfig:
+    """The loss-spike guard (tokstream/train/spike_guard.py, docs/loss-spikes.md)."""
+
+    zscore: float = 0.0  # a step this many standard deviations above the window's loss or gradient norm; 0: off
+    window: int = 128  # steps
+    action: str = "skip"  # skip: its update is not applied; stop: exit 75 with the command that rewinds and skips
+    rewind: int = 100  # stop: the command resumes from a checkpoint at least this many steps before the spike
+    skip: int = 200  # stop: and leaves out this many steps' data from the spike on
+
+
+@dataclass
 class PhaseData:
     """What a phase reads: a dataset (remote) or a mixture (streams), as under `data:`. Unset: the previous
     phase's. How the data is read (workers, cache, shuffle settings) is the run's `data:` section."""
@@ -106,6 +117,7 @@ class TrainConfig:
     # Resume from this earlier checkpoint of the run instead of the newest: what came after is moved aside into
     # run_dir/abandoned/ (rewind.py). Relaunching the same command goes on in the new branch.
     resume_from: int | None = None
+    guard: GuardConfig = field(default_factory=GuardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -248,7 +260,8 @@ RANGES = {
     "log_interval": (1, True, None, ""), "eval_interval": (0, True, None, "0 turns evaluation off"),
     "eval_batches": (1, True, None, ""), "checkpoint_interval": (1, True, None, ""),
     "keep_checkpoints": (0, True, None, "0 keeps every checkpoint"), "keep_every": (0, True, None, "0 keeps none"),
-    "resume_from": (0, True, None, "a checkpoint's step"), "preempt_grace_s": (0, False, None, ""),
+    "resume_from": (0, True, None, "a checkpoint's step"), "guard.zscore": (0, True, None, "0 turns the guard off"),
+    "guard.window": (1, True, None, ""), "guard.rewind": (0, True, None, ""), "guard.skip": (1, True, None, ""), "preempt_grace_s": (0, False, None, ""),
     "lease_interval_s": (0, False, None, ""),
     "model.vocab_size": (1, True, None, ""), "model.block_size": (1, True, None, ""), "model.n_layer": (1, True, None, ""),
     "model.n_head": (1, True, None, ""), "model.n_embd": (1, True, None, ""), "model.dropout": (0, True, 1, ""),
@@ -328,6 +341,9 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     apply_overrides(config, overrides)
     check_ranges(config)
     check_skips(config.skip_steps)
+    if config.guard.action not in ("skip", "stop"):
+        raise UserError(f"guard.action must be skip (the spike's update is not applied) or stop (exit 75 with the "
+                        f"command that rewinds and skips), got {config.guard.action!r}")
     first = config.phases[0].data if config.phases else config.data
     if not (config.data.remote or config.data.streams or first.remote or first.streams):
         raise UserError("data.remote is not set: give the dataset root, e.g. data.remote=data/owt, or a mixture "

@@ -10,6 +10,7 @@ it has not made yet, on the last launch's ranks.
 """
 
 import contextlib
+import dataclasses
 import sys
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -22,7 +23,7 @@ from tokstream.object_store import is_s3
 from tokstream.reader import SampleOrder
 from tokstream.tokenizer import Tokenizer, dataset_tokenizer
 from tokstream.train.checkpoint import newest_run_record
-from tokstream.train.config import TrainConfig, apply_overrides, config_from_dict
+from tokstream.train.config import TrainConfig, apply_overrides, check_skips, config_from_dict
 from tokstream.train.metrics import read_records
 from tokstream.train.phases import Phase, Recipe, started
 from tokstream.train.run_store import open_run_store
@@ -66,6 +67,8 @@ class Ledger:
         if run is None:
             raise UserError(f"{run_dir} holds no checkpoint: the ledger reads a run's config from its checkpoints")
         config = apply_overrides(config_from_dict(run["config"]), overrides)
+        records = {record["step"]: record for record in read_records(run_dir)}
+        config = with_recorded_skips(config, records)
         try:
             recipe = Recipe.open(config, 1, keep_orders=False)  # it writes nothing, the run's orders/ included
         except UserError as err:
@@ -78,7 +81,7 @@ class Ledger:
                 data = phase.data.remote or ", ".join(s.remote for s in phase.data.streams)
                 raise UserError(f"{phase.name}'s data ({data}) is not the data the run read (identity {found}, the "
                                 f"run's {identity}): point the ledger at the run's data, e.g. data.remote=PATH")
-        return cls(config, recipe, {record["step"]: record for record in read_records(run_dir)}, step)
+        return cls(config, recipe, records, step)
 
     def layout(self, step: int, ranks: int | None = None, nodes: int | None = None) -> tuple[int, int, bool]:
         """(nodes, ranks, recorded) of `step`: given, or the run's, or for a step past its records the last."""
@@ -165,3 +168,14 @@ class Ledger:
     def close(self) -> None:
         for order in self._orders.values():
             order.close()
+
+
+def with_recorded_skips(config: TrainConfig, records: dict[int, dict]) -> TrainConfig:
+    """The config with the skips metrics.jsonl records as done (a launch after the newest checkpoint may have begun
+    one that no checkpoint's config holds yet): what the run read, not only what its newest checkpoint says."""
+    done = [record["skipped"].get("steps") for record in records.values() if isinstance(record.get("skipped"), dict)]
+    skips = sorted({tuple(pair) for pair in [*config.skip_steps, *done] if isinstance(pair, list) and len(pair) == 2})
+    if [list(pair) for pair in skips] == config.skip_steps:
+        return config
+    check_skips([list(pair) for pair in skips])  # one that overlaps the config's is refused, naming both
+    return dataclasses.replace(config, skip_steps=[list(pair) for pair in skips])

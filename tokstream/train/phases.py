@@ -47,6 +47,12 @@ def started(phase: Phase, step: int) -> bool:
     return phase.index == 0 or phase.start_step < step
 
 
+def read_through(step: int, skips: list) -> int:
+    """How far into the steps' data a run at `step` (steps done) has read: a skip that has begun by then (its first
+    step <= `step`) read the data of steps up to its last. `started(phase, read_through(...))`: its data was read."""
+    return max([step, *(last for first, last in skips if first <= step)])
+
+
 def resolve_phases(config: TrainConfig) -> list[Phase]:
     """The run's phases, each setting resolved (unset: the previous phase's); without `phases`, one phase:
     the run's global_batch_size and data from step 0."""

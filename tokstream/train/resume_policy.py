@@ -18,10 +18,10 @@ from fnmatch import fnmatch
 from tokstream.errors import UserError
 from tokstream.reader import AUTO_SHUFFLE
 from tokstream.train.config import TrainConfig, config_from_dict
-from tokstream.train.phases import Phase, resolve_phases, started
+from tokstream.train.phases import Phase, read_through, resolve_phases, started
 
 FREE = ("run_dir", "run_local", "log_interval", "eval_interval", "eval_batches", "checkpoint_interval",
-        "keep_checkpoints", "keep_every", "resume_from", "background_checkpoints", "preempt_grace_s", "lease_interval_s", "trace_samples",
+        "keep_checkpoints", "keep_every", "resume_from", "guard.rewind", "guard.skip", "background_checkpoints", "preempt_grace_s", "lease_interval_s", "trace_samples",
         "device", "compile", "deterministic", "micro_batch_size",
         "data.remote", "data.local", "data.val_split", "data.num_workers", "data.prefetch_factor",
         "data.predownload", "data.cache_limit", "data.validate_hash", "data.download_retry",
@@ -140,8 +140,9 @@ def check_phases(saved: dict, config: TrainConfig, step: int) -> list[str]:
     """Refuse an edit of a phase that has started by `step` (phase 0 always has); one line for edits of the
     phases after it."""
     old, new = resolve_phases(config_from_dict(saved)), resolve_phases(config)
-    started_old = [p for p in old if started(p, step)]
-    started_new = [p for p in new if started(p, step)]
+    read = read_through(step, saved.get("skip_steps", []))  # a skip done read its steps' phases' data too
+    started_old = [p for p in old if started(p, read)]
+    started_new = [p for p in new if started(p, read)]
     keep = (f"a phase that has started or ended keeps its recipe; edit only phases that start after step {step}, "
             "or use a new run_dir")
     for index in range(max(len(started_old), len(started_new))):

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from tokstream.errors import UserError
-from tokstream.train.checkpoint_files import Survey, checkpoint_name, manifest_name, read_manifest
+from tokstream.train.checkpoint_files import HASH, Survey, checkpoint_name, manifest_name, mismatch, read_manifest
 from tokstream.train.metrics import METRICS_FILE
 from tokstream.train.run_store import POINTER, LocalRunStore, RunStore
 
@@ -38,7 +38,11 @@ def rewind(store: RunStore, step: int) -> str | None:
     if not isinstance(store, LocalRunStore):
         raise UserError(f"resume_from={step}: rewinding a run_dir in S3 is not built yet; copy the run to a local "
                         "folder to rewind it there")
-    folder = store.root / ABANDONED / f"after-{step:08d}-{time.strftime('%Y%m%dT%H%M%S')}"
+    problem = mismatch(store.root / checkpoint_name(step), read_manifest(store, step) or {"bytes": -1, HASH: ""})
+    if problem is not None:
+        raise UserError(f"resume_from={step}: the checkpoint at step {step} is damaged ({problem}); nothing was moved: "
+                        "give another step")
+    folder = store.root / ABANDONED / f"after-{step:08d}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     folder.mkdir(parents=True)
     if (store.root / METRICS_FILE).exists():
         shutil.copy2(store.root / METRICS_FILE, folder / METRICS_FILE)
@@ -54,6 +58,21 @@ def rewind(store: RunStore, step: int) -> str | None:
     moved = ", ".join(map(str, later))
     return (f"resume_from={step}: rewound; checkpoints {moved} and metrics.jsonl as it was moved to "
             f"{folder.relative_to(store.root.parent) if store.root.parent != Path('.') else folder}")
+
+
+def rewind_target(store: RunStore, step: int) -> dict | None:
+    """When a rewind to `step` is due: {"run": the target's run record, "progress": {"step": step}}, so that the
+    relaunch is checked against it before anything moves; None when no rewind is due (or it is refused: rewind()
+    says why)."""
+    survey = Survey.of(store)
+    if step not in survey.complete or not [s for s in survey.complete + survey.without_manifest if s > step]:
+        return None
+    if on_branch(store, survey.complete[-1], step):
+        return None
+    manifest = read_manifest(store, step) or {}
+    if not isinstance(manifest.get("run"), dict):
+        return None
+    return {"run": manifest["run"], "progress": {"step": step}}
 
 
 def on_branch(store: RunStore, newest: int, step: int) -> bool:

@@ -8,6 +8,7 @@ memory; to_device widens the tokens on the device.
 """
 
 import gc
+import json
 import os
 import time
 from collections.abc import Iterable
@@ -21,6 +22,7 @@ from tqdm import tqdm
 from tokstream.errors import StoreError, UserError, no_space, out_of_space
 from tokstream.reader import BatchPlan, Dataset, eval_batches, remove_stale_shared_memory, to_device
 from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
+from tokstream.train.checkpoint_files import Survey
 from tokstream.train.config import TrainConfig
 from tokstream.train.distributed import Distributed, peer_gone
 from tokstream.train.grace import budget_line, measure_write_rate, notice_line, state_bytes
@@ -30,7 +32,8 @@ from tokstream.train.phased_batches import PhasedBatches
 from tokstream.train.phases import Phase, Recipe
 from tokstream.train.preemption import PreemptionWatch
 from tokstream.train.resume_policy import check_relaunch, keep_run_order
-from tokstream.train.rewind import rewind
+from tokstream.train.rewind import rewind, rewind_target
+from tokstream.train.spike_guard import SpikeGuard
 from tokstream.train.run_lease import RunLease
 from tokstream.train.rng import RankRNG
 from tokstream.train.run_store import RunStore, S3RunStore, open_run_store
@@ -62,6 +65,7 @@ class Run:
     source_names: list[str] | None = None  # its data's sources, in data.streams order
     val_loaders: dict[str, Iterable[dict]] | None = None  # per source with a val split
     val_weights: dict[str, float] | None = None  # each one's share of an epoch: val_loss is their weighted mean
+    guard: SpikeGuard | None = None  # guard.zscore > 0: the loss-spike guard, a checkpoint component
 
 
 def setup(config: TrainConfig) -> Run:
@@ -87,24 +91,14 @@ def setup(config: TrainConfig) -> Run:
 def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunStore, lease: RunLease | None) -> Run:
     """setup()'s part under the run's lease: resume or start, and everything the loop uses."""
     if config.resume_from is not None:
+        target = rewind_target(store, config.resume_from)
+        if target is not None:  # a refused relaunch changes nothing: checked against the target before any move
+            config, recipe = check_resume(config, recipe, dist, target, target["progress"]["step"])
         rewind_when_asked(store, config.resume_from, dist)
     checkpoint_url, saved = find_latest(store, dist)
     recipe.check_plans(saved["progress"]["step"] if saved is not None else 0)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
-        old = saved["run"]
-        kept = keep_run_order(config, old["config"])
-        if kept is not config:  # data.shuffle_algo: auto, in a run that started in a named order
-            config, recipe = kept, Recipe.open(kept, dist.world)
-        if saved["progress"]["step"] > config.max_steps:
-            raise UserError(f"max_steps={config.max_steps} is below the step of {checkpoint_url}, "
-                            f"{saved['progress']['step']}: raise max_steps, or point run_dir elsewhere")
-        step = saved["progress"]["step"]
-        changes = [*check_relaunch(old["config"], config, step),
-                   recipe.plan(recipe.at(step)).describe_change(old["batch_plan"])]
-        recipe.check_resumes(old.get("phase_identities") or [old["dataset_identity"]], step)
-        if dist.master:
-            for change in filter(None, changes):
-                print(f"relaunch: {change}")
+        config, recipe = check_resume(config, recipe, dist, saved, saved["progress"]["step"], checkpoint_url)
 
     torch.manual_seed(config.seed)  # identical initial weights on every rank
     raw_model = GPT(config.model).to(dist.device)
@@ -128,9 +122,10 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
     rng.seed(config.seed)
     metrics = MetricsLog(store.local, enabled=dist.master)
     in_store = isinstance(store, S3RunStore)  # the metrics are written here and uploaded with each checkpoint
+    guard = SpikeGuard(config.guard.zscore, config.guard.window) if config.guard.zscore > 0 else None
     checkpointer = Checkpointer(store, config.keep_checkpoints, dist,
                                 components={"model": raw_model, "optimizer": optimizer, "loader": batches,
-                                            "rng": rng, "progress": progress},
+                                            "rng": rng, "progress": progress, **({"guard": guard} if guard else {})},
                                 run_record={"config": config.to_dict(),
                                             "batch_plan": recipe.plan(recipe.phases[0]).state_dict(),
                                             "dataset_identity": recipe.datasets[0].identity,
@@ -149,7 +144,7 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
         print(f"metrics: {metrics.path} (a copy goes to {store.url} with each checkpoint)")
     metrics.truncate_after(progress.step)
     run = Run(config, dist, recipe, raw_model, model, optimizer, batches, progress, store, checkpointer, metrics,
-              PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None, lease)
+              PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None, lease, guard=guard)
     line = enter_phase(run, progress.step)
     if line and dist.master:
         print(line)
@@ -255,6 +250,26 @@ def model_inputs(batch: dict, device: torch.device, config: TrainConfig) -> tupl
     return inputs, targets, document_args
 
 
+def check_resume(config: TrainConfig, recipe: Recipe, dist: Distributed, saved: dict, step: int,
+                 where: str | None = None) -> tuple[TrainConfig, Recipe]:
+    """Refuse a relaunch from the checkpoint `saved` (its run record and step) that its policy does not allow; the
+    config and recipe it goes on with (a run started in a named order keeps it), each accepted change said once."""
+    old = saved["run"]
+    kept = keep_run_order(config, old["config"])
+    if kept is not config:  # data.shuffle_algo: auto, in a run that started in a named order
+        config, recipe = kept, Recipe.open(kept, dist.world)
+    if step > config.max_steps:
+        raise UserError(f"max_steps={config.max_steps} is below the step of {where or f'checkpoint {step}'}, {step}: "
+                        "raise max_steps, or point run_dir elsewhere")
+    changes = [*check_relaunch(old["config"], config, step),
+               recipe.plan(recipe.at(step)).describe_change(old["batch_plan"])]
+    recipe.check_resumes(old.get("phase_identities") or [old["dataset_identity"]], step)
+    if dist.master and where is not None:
+        for change in filter(None, changes):
+            print(f"relaunch: {change}")
+    return config, recipe
+
+
 def rewind_when_asked(store: RunStore, step: int, dist: Distributed) -> None:
     """resume_from: rank 0 moves aside what the run wrote after checkpoint `step` (rewind.py), under the lease; every
     rank stops if it cannot."""
@@ -335,10 +350,14 @@ def train(config: TrainConfig) -> bool:
         if run.preemption.should_stop():  # collective: every rank stops at this same step
             save_on_notice(run, bar)
             break
-        skipped = skip_when_due(run)
         if (line := enter_phase(run, run.progress.step)) and run.dist.master:
             bar.write(line)
-        record = train_step(run)
+        skipped = skip_when_due(run)  # after enter_phase: a stop there checkpoints the streams before the skip
+        try:
+            record = train_step(run)
+        except SpikeStop as spike:
+            stop_at_spike(run, spike, bar)
+            break
         if skipped:
             record["skipped"] = skipped
         evaluate_when_due(run, record, bar)
@@ -349,6 +368,31 @@ def train(config: TrainConfig) -> bool:
     if run.lease is not None:
         run.lease.release()
     return run.progress.step >= config.max_steps
+
+
+class SpikeStop(Exception):
+    """The guard found step `step` (counted from 1) a spike, with guard.action stop: its update is not applied."""
+
+    def __init__(self, step: int, scores: dict):
+        super().__init__(step)
+        self.step, self.scores = step, scores
+
+
+def stop_at_spike(run: Run, spike: SpikeStop, bar: tqdm) -> None:
+    """guard.action stop: end the run (exit 75, as a preemption: unfinished) with the command that rewinds to a
+    checkpoint at least guard.rewind steps before the spike and leaves out guard.skip steps' data from it on."""
+    run.checkpointer.wait()
+    bar.close()
+    if not run.dist.master:
+        return
+    guard = run.config.guard
+    saved = [step for step in Survey.of(run.store).complete if step < spike.step]
+    target = max((step for step in saved if step <= spike.step - 1 - guard.rewind), default=max(saved, default=None))
+    skips = [*run.config.skip_steps, [spike.step, spike.step + guard.skip - 1]]
+    settings = ([f"resume_from={target}"] if target is not None else []) + [
+        "skip_steps=" + json.dumps(skips, separators=(",", ":"))]
+    print(f"loss spike at step {spike.step} ({', '.join(f'{k} {v}' for k, v in spike.scores.items())}): stopped, its "
+          f"update not applied; to rewind and leave out its data, relaunch with: {' '.join(settings)}")
 
 
 def skip_when_due(run: Run) -> dict | None:
@@ -434,14 +478,21 @@ def train_step(run: Run) -> dict:
         grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.optim.grad_clip)
     else:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in run.model.parameters() if p.grad is not None])
-    optimizer.step()
+    grad_norm, loss = grad_norm.item(), dist.mean(loss_sum).item()  # every rank's, alike: the guard judges them
+    spike = run.guard.judge(loss, grad_norm) if run.guard is not None else None
+    if spike is not None and config.guard.action == "stop":
+        optimizer.zero_grad(set_to_none=True)
+        raise SpikeStop(run.progress.step + 1, spike)
+    if spike is None:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     run.progress.step += 1
 
-    grad_norm = grad_norm.item()
-    record = {"step": run.progress.step, "loss": dist.mean(loss_sum).item(), "lr": lr, "grad_norm": grad_norm,
+    record = {"step": run.progress.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
               "clipped": 0 < config.optim.grad_clip < grad_norm,
               **account_step(run, sample_ids, tokens_before + step_tokens)}
+    if spike is not None:
+        record["guard"] = {**spike, "update": "skipped"}
     seconds = time.perf_counter() - started
     record.update(tokens_per_s=step_tokens / seconds, data_wait_s=data_wait, step_s=seconds,
                   data_wait_fraction=data_wait / seconds)
