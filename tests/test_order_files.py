@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 from conftest import ROOT
+from test_lazy_order import read
 from test_training import tiny_splits
 
 from tokstream.errors import UserError
@@ -29,16 +30,6 @@ def mixture(tmp_path_factory) -> DataConfig:
     return DataConfig(streams=[StreamConfig(remote=str(roots[0]), name="web", proportion=0.7),
                                StreamConfig(remote=str(roots[1]), name="books", proportion=0.3)],
                       shuffle_block_size=16, num_canonical_nodes=2)
-
-
-def read(config: DataConfig, plan: BatchPlan, micro_batches: int, state: dict | None = None) -> tuple[list, dict]:
-    batches = TrainBatches(open_dataset(config), plan)
-    if state is not None:
-        batches.load_state_dict(state)
-    ids = [next(batches)["ids"].tolist() for _ in range(micro_batches)]
-    state = batches.state_dict()
-    batches.close()
-    return ids, state
 
 
 def epoch_files(directory) -> dict[int, str]:
