@@ -207,8 +207,8 @@ def test_a_zero_interval_is_refused_by_the_trainer_in_one_line_before_anything_r
 @pytest.mark.parametrize("token,refused_", [(50256, False), (50257, True)], ids=["last-id", "vocab-size"])
 def test_the_vocabularys_last_id_is_read_and_its_size_refused_by_the_reader_and_verify(data, token, refused_):
     """The edge of the check: GPT-2's vocab_size 50257 is the first id past the embedding, 50256 its last row (the
-    torchrun test above uses 60000). The reader reads every sample of a shard holding 50256 and refuses one holding
-    50257, naming the shard; convert/verify.py, a process of its own, says the same."""
+    torchrun test above uses 60000). The reader reads every sample of a shard holding 50256 and refuses the batch
+    holding 50257, naming the shard, and not before it; convert/verify.py, a process of its own, says the same."""
     from tokstream.errors import DamagedData
     from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
 
@@ -224,9 +224,12 @@ def test_the_vocabularys_last_id_is_read_and_its_size_refused_by_the_reader_and_
     batches = TrainBatches(open_dataset(DataConfig(remote=str(data)), 50257), BatchPlan(8, 8, 1))
     try:
         if refused_:
+            given = []
             with pytest.raises(DamagedData, match=f"^shard {shard} holds token id 50257, outside the dataset's "
                                                   "vocab_size 50257: the dataset is damaged"):
-                next(batches)
+                for _ in range(246 // 8):
+                    given += next(batches)["ids"].tolist()
+            assert 7 not in given and len(given) < 246 - 8  # sample 7 of the first shard: refused where it is read
         else:
             read = np.concatenate([next(batches)["tokens"].numpy() for _ in range(246 // 8)])
             assert (read == token).sum() == 1

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from tokstream.errors import UserError
+from tokstream.gc_pause import collector_paused
 from tokstream.format import METADATA_FILE, DatasetMetadata, shard_sample_count, stored_file
 
 
@@ -31,9 +32,9 @@ CHECK_CHUNK = 4 << 20
 
 def largest_token(path: object, begin: int, end: int, dtype: np.dtype) -> int:
     """The largest token id in bytes [begin, end) of a shard file (0 if none), read through a buffer in pieces
-    rather than through the rank's mapping: a whole-shard pass through the mapping would make every page of
-    the shard resident in the rank (660-850 MB at a first batch of OpenWebText's size, bench/scale.py), where
-    training touches only its samples' pages. The Grain source reads it the same way."""
+    rather than through the mapping: a whole-shard pass through the mapping would make every page of the shard
+    resident in the process, where training touches only its samples' pages. The Grain source's check, when it
+    maps a shard (the project's reader checks the rows it reads instead)."""
     largest, itemsize = 0, np.dtype(dtype).itemsize
     buffer = bytearray(CHECK_CHUNK)
     with open(path, "rb", buffering=0) as file:
@@ -66,10 +67,11 @@ def check_split(root: Path, split: str, metadata: DatasetMetadata, dataset: str,
     if not index.is_file():
         raise UserError(f"{index} is missing: the {split} split's conversion never finished; reconvert it")
     try:
-        shards = json.loads(index.read_text())["shards"]
-        indexed = sum(shard["samples"] for shard in shards)
-        files = [(stored_file(shard)["basename"], stored_file(shard)["bytes"], shard["zip_data"] is None,
-                  shard["samples"]) for shard in shards]
+        with collector_paused():  # objects per shard: tens of thousands (gc_pause.py)
+            shards = json.loads(index.read_text())["shards"]
+            indexed = sum(shard["samples"] for shard in shards)
+            files = [(stored_file(shard)["basename"], stored_file(shard)["bytes"], shard["zip_data"] is None,
+                      shard["samples"]) for shard in shards]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise UserError(f"{index} is damaged ({type(err).__name__}: {err}); reconvert the split") from None
     if metadata.splits[split].samples != indexed:

@@ -28,6 +28,7 @@ class LazyEpochOrder:
         samples_per_shard = np.asarray(samples_per_shard, np.int64)
         self.shard_offsets = np.concatenate([[0], np.cumsum(samples_per_shard)[:-1]]).astype(np.int64)
         self.seed, self.epoch = seed, epoch
+        # Each shard of each stream gives `repeats` whole units, then one partial unit of `take` samples if any.
         units, unit_shards, partial = [], [], []
         first = 0
         for stream, count in enumerate(shards_per_stream):
@@ -39,16 +40,17 @@ class LazyEpochOrder:
             if rest:
                 rng = np.random.default_rng([seed, epoch, stream])
                 takes = rng.multivariate_hypergeometric(sizes, rest, method="marginals")
-            for shard, (size, take) in enumerate(zip(sizes.tolist(), takes.tolist()), start=first):
-                if size:
-                    units += [size] * repeats + ([take] if take else [])
-                    unit_shards += [shard] * (repeats + (take > 0))
-                    partial += [False] * repeats + ([True] if take else [])
+            per_shard = np.where(sizes > 0, repeats + (takes > 0), 0)  # an empty shard gives nothing
+            shard = np.repeat(np.arange(count), per_shard)
+            nth = np.arange(len(shard)) - np.repeat(np.cumsum(per_shard) - per_shard, per_shard)  # within its shard
+            units.append(np.where(nth < repeats, sizes[shard], takes[shard]))
+            unit_shards.append(shard + first)
+            partial.append(nth >= repeats)
             first += count
-        self.units = np.array(units, np.int64)
+        self.units = np.concatenate(units).astype(np.int64)
         self.unit_starts = np.concatenate([[0], np.cumsum(self.units)]).astype(np.int64)
-        self.unit_shards = np.array(unit_shards, np.int64)
-        self.partial = np.array(partial, bool)
+        self.unit_shards = np.concatenate(unit_shards).astype(np.int64)
+        self.partial = np.concatenate(partial).astype(bool)
         self.samples_per_shard = samples_per_shard
         self.epoch_size = int(self.unit_starts[-1])
         self.shuffle = WindowShuffle(tuple(self.units.tolist()), num_canonical_nodes, seed, epoch, block_size)

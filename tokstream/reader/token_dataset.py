@@ -16,12 +16,13 @@ import torch
 from torch.utils.data import get_worker_info
 
 from tokstream.errors import DamagedData
+from tokstream.gc_pause import collector_paused
 from tokstream.format import parse_column_encoding, shard_sample_count, shard_samples
 from tokstream.reader import streaming_door
 from tokstream.reader.streaming_door import streaming_internals as internals
 from tokstream.reader.stale_shm import record_owner, release_owner
 from tokstream.reader.transfer_ring import TransferRing
-from tokstream.split_check import damaged_shard, largest_token, sample_count_problem, vocabulary_problem
+from tokstream.split_check import damaged_shard, sample_count_problem, vocabulary_problem
 
 _TORCH_DTYPE = {np.dtype(np.uint16): torch.uint16, np.dtype(np.uint32): torch.uint32}
 
@@ -41,9 +42,10 @@ class TokenDataset(internals.ResumeStateKept, internals.WindowedDownloadAhead):
 
     def __init__(self, *args, vocab_sizes: list[int] | None = None, **kwargs):
         """`vocab_sizes`: per stream, the bound on its token ids (its metadata's vocab_size, which training
-        has checked is at most the model's): each shard is checked against it once, when first read."""
+        has checked is at most the model's): every sample is checked against it as it is read."""
         streaming_door.install()  # before the stock constructor: it builds the lookup and shared memory
-        super().__init__(*args, **kwargs)
+        with collector_paused():  # a reader object per shard: tens of thousands (gc_pause.py)
+            super().__init__(*args, **kwargs)
         self.vocab_sizes = vocab_sizes
         self.pin_batches = False  # set by TokenLoader
         self.transfer_samples: int | None = None  # samples per item in a DataLoader worker (TokenLoader)
@@ -93,18 +95,13 @@ class TokenDataset(internals.ResumeStateKept, internals.WindowedDownloadAhead):
         # A plain ndarray view: slicing a np.memmap subclass costs far more per sample.
         mapped = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
         view = shard_samples(mapped, dtype, length, every_offset=False)
-        problem = sample_count_problem(len(view), self.shards[shard_id].samples)
-        largest = None
-        if problem is None and self.vocab_sizes is not None:
-            begin = view.ctypes.data - mapped.ctypes.data
-            largest = largest_token(path, begin, begin + view.nbytes, dtype)
-        self._check(shard_id, path, problem, largest)
+        self._check(shard_id, path, sample_count_problem(len(view), self.shards[shard_id].samples))
         return view
 
     def _check(self, shard_id: int, path: object, problem: str | None = None, largest: int | None = None) -> None:
         """Refuse a shard read with a `problem`, or whose `largest` token id is past its stream's vocabulary,
-        which would end training in an embedding lookup (a device assert on a GPU). Run once per mapped shard
-        and on each row read through stock get_item (a shard not local yet)."""
+        which would end training in an embedding lookup (a device assert on a GPU). Run once per mapped shard,
+        and for the rows of each batch (_check_vocabulary)."""
         stream = self.stream_per_shard[shard_id]
         if problem is None and largest is not None:
             problem = vocabulary_problem(largest, self.vocab_sizes[stream])
@@ -160,9 +157,20 @@ class TokenDataset(internals.ResumeStateKept, internals.WindowedDownloadAhead):
                     problem = sample_count_problem(shard_sample_count(path), self.shards[shard_id].samples)
                 except FileNotFoundError:  # evicted already (a cache_limit): checked when it is mapped
                     problem = None
-                self._check(shard_id, path, problem,
-                            largest=int(rows[-1].max()) if self.vocab_sizes is not None else None)
+                self._check(shard_id, path, problem)
+        if self.vocab_sizes is not None:
+            self._check_vocabulary(shards, rows)
         return rows
+
+    def _check_vocabulary(self, shards: np.ndarray, rows: list[np.ndarray]) -> None:
+        """Refuse rows holding a token id past their stream's vocabulary, naming the first such row's shard. The
+        rows read, not their whole shards: a shard's first read would otherwise scan it (64 MB a shard, in every
+        rank and worker: most of a first batch's time where ranks share a node's disk and memory)."""
+        largest = np.fromiter((row.max() for row in rows), np.int64, len(rows))
+        over = np.flatnonzero(largest >= np.asarray(self.vocab_sizes)[self.stream_per_shard[shards]])
+        if len(over):
+            shard_id = int(shards[over[0]])
+            self._check(shard_id, internals.shard_file(self, shard_id), largest=int(largest[over[0]]))
 
     def get_batch(self, sample_ids: list[int]) -> dict:
         """The samples' tokens as one (samples, block_size + 1) array, and their ids.

@@ -235,9 +235,10 @@ def shared_memory_blocks(dataset: StreamingDataset) -> list[SharedMemory]:
         if isinstance(value, SharedMemory):
             found.append(value)
         elif depth and hasattr(value, "__dict__") and not isinstance(value, type):
-            for item in vars(value).values():
+            for item in tuple(vars(value).values()):
                 walk(item, depth - 1)
-    for value in vars(dataset).values():
+    # Copies of the attributes (tuple() takes them at once): the dataset's threads may still be adding some.
+    for value in tuple(vars(dataset).values()):
         walk(value, 2)
     return found
 
