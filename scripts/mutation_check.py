@@ -132,6 +132,16 @@ MUTATIONS = [
              "tokstream/reader/streaming_door/streaming_internals.py",
              "if kept is not None and kept[0] == settings:", "if kept is not None:",
              ("tests/test_lazy_order.py", "-k", "same_on_any_world_size")),
+    # Issue 42: start-up at 880 M samples (the rows' vocabulary check, the spanner, the lazy order's set-up).
+    Mutation("reader vocabulary: the rows' edge", "a token id past the vocabulary is refused where it is read",
+             "tokstream/reader/token_dataset.py", "over = np.flatnonzero(largest >= ", "over = np.flatnonzero(largest > ",
+             ("tests/test_dataset_checks.py", "-k", "vocabularys_last_id")),
+    Mutation("spanner: a shard's first sample", "each sample is read from its own shard",
+             "tokstream/reader/streaming_door/lean_spanner.py", "bisect.bisect_right(self._bounds, index) - 1",
+             "bisect.bisect_left(self._bounds, index) - 1", ("tests/test_epoch_order.py", "-k", "lean_spanner")),
+    Mutation("lazy order: a repeat's partial unit", "a run resumes in the lazy order it was trained in",
+             "tokstream/reader/lazy_order.py", "partial.append(nth >= repeats)", "partial.append(nth > repeats)",
+             ("tests/test_lazy_order.py", "-k", "runs_were_trained")),
     # Issue 42: streaming's orders kept as files, and auto.
     Mutation("order files: the seed left out of the file's name", "a file never answers for other settings",
              "tokstream/reader/streaming_door/order_files.py", '"shuffle_algo", "shuffle_seed", "num_canonical_nodes",',

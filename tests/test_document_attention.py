@@ -118,9 +118,11 @@ def test_the_structure_of_a_micro_batch_and_more_documents_than_its_maximum():
     assert few["positions"].tolist() == structure["positions"].tolist()
 
 
-def test_the_reader_gives_each_micro_batch_its_documents_from_the_datasets_separator(dataset):
-    """A real corpus (Tiny Shakespeare, a document per paragraph, block 64: several per sample)."""
-    opened = open_dataset(DataConfig(remote=str(dataset)))
+@pytest.mark.parametrize("order", ["auto", "feistel_window"])
+def test_the_reader_gives_each_micro_batch_its_documents_from_the_datasets_separator(dataset, order):
+    """A real corpus (Tiny Shakespeare, a document per paragraph, block 64: several per sample), in the order
+    `auto` gives it (py1e) and in the lazy order."""
+    opened = open_dataset(DataConfig(remote=str(dataset), shuffle_algo=order))
     separator = opened.metadata[0].separator_id
     batches = TrainBatches(opened, BatchPlan(8, 4, 1), max_documents=32)
     for _ in range(3):
@@ -141,9 +143,10 @@ def test_the_reader_gives_each_micro_batch_its_documents_from_the_datasets_separ
 
 @pytest.mark.long
 def test_document_attention_resumes_exactly_after_sigterm_sigkill_and_on_another_world_size(dataset, tmp_path):
-    """Against an uninterrupted run (2 ranks x 4, document attention and positions): SIGTERM part way, SIGKILL just
-    after a checkpoint, then 1 rank to the end. Every step's samples per rank; losses bitwise on the reference's
-    settings, to float rounding once on 1 rank."""
+    """Against an uninterrupted run (2 ranks x 4, document attention and positions, in the lazy order, which
+    `auto` gives datasets from 2^24 samples): SIGTERM part way, SIGKILL just after a checkpoint, then 1 rank to the
+    end. Every step's samples per rank; losses bitwise on the reference's settings, to float rounding once on 1
+    rank."""
     import signal
 
     from test_phases import Output
@@ -154,7 +157,7 @@ def test_document_attention_resumes_exactly_after_sigterm_sigkill_and_on_another
     from tokstream.train.run_store import LocalRunStore
 
     common = ["max_steps=12", "optim.decay_steps=12", "checkpoint_interval=4", "eval_interval=4",
-              "model.attention=document", "model.positions=document"]
+              "model.attention=document", "model.positions=document", "data.shuffle_algo=feistel_window"]
     train(2, dataset, tmp_path / "reference", *common)
     reference = metrics(tmp_path / "reference")
     run_dir, store = tmp_path / "interrupted", LocalRunStore(str(tmp_path / "interrupted"))

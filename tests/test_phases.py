@@ -129,24 +129,33 @@ def test_tokens_count_each_phases_batch_and_block(data):
     assert recipe.tokens_before(20) == 6 * 4 * 64 + 4 * 8 * 64 + 2 * 8 * 128 + 2 * 8 * 64 + 6 * 8 * 128
 
 
-def test_a_boundary_keeps_each_streams_position_and_a_mixture_reads_its_own(data):
+# The orders phases are tested in: `auto`'s for these small datasets (py1e) and the lazy order (auto's from 2^24
+# samples), which the torchrun tests of the lazy order (test_lazy_order.py) resume through SIGTERM and SIGKILL.
+ORDERS = ["auto", "feistel_window"]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_boundary_keeps_each_streams_position_and_a_mixture_reads_its_own(data, order):
     """The README's promise: data that continues keeps its position whatever the batch; data read again goes
     on where it stopped; a mixture is its own stream from its start. And every step has its phase's batch."""
-    recipe = Recipe.open(phased(data), 1)
+    recipe = Recipe.open(phased(data, f"data.shuffle_algo={order}"), 1)
+    assert {recipe.dataset(phase).config.shuffle_algo for phase in recipe.phases} == {
+        "py1e" if order == "auto" else order}
     batches = PhasedBatches(recipe, pin_memory=False)
     steps = read_steps(recipe, batches, 0, 20)
     assert [len(ids) for ids in steps] == [4] * 6 + [8] * 14
-    a = stream(DataConfig(remote=data["a"]), 4, 72)
+    a = stream(DataConfig(remote=data["a"], shuffle_algo=order), 4, 72)
     assert sum(steps[:10] + steps[12:14], []) == a  # phases 0, 1 and 3: one order, across an epoch end
     assert sorted(a[:40]) == list(range(40))  # no sample again before the epoch ends, whatever the batch
-    assert sum(steps[10:12], []) == stream(DataConfig(remote=data["b"]), 8, 16)
+    assert sum(steps[10:12], []) == stream(DataConfig(remote=data["b"], shuffle_algo=order), 8, 16)
     mixture = recipe.dataset(recipe.phases[4]).config
     assert sum(steps[14:], []) == stream(mixture, 8, 48)  # its b samples start over within it
     batches.close()
 
 
-def test_each_sources_samples_and_tokens_are_counted_across_phases_and_carried_by_the_state(data):
-    recipe = Recipe.open(phased(data), 1)
+@pytest.mark.parametrize("order", ORDERS)
+def test_each_sources_samples_and_tokens_are_counted_across_phases_and_carried_by_the_state(data, order):
+    recipe = Recipe.open(phased(data, f"data.shuffle_algo={order}"), 1)
     batches = PhasedBatches(recipe, pin_memory=False)
     read_steps(recipe, batches, 0, 13)
     for step in range(13):
@@ -595,13 +604,14 @@ def each_step_reads_its_stream_at(recipe: Recipe, steps: list[list[int]], units_
     return streams
 
 
-def test_units_before_and_the_ledger_give_the_steps_the_reader_reads_across_every_boundary(data):
+@pytest.mark.parametrize("order", ORDERS)
+def test_units_before_and_the_ledger_give_the_steps_the_reader_reads_across_every_boundary(data, order):
     """In process, in seconds: for each step of the five phases (a ramp, other data, data read again, a mixture),
     units_before places the step in its stream exactly where PhasedBatches reads it, and the ledger's core, given
     no records, deals it to 1 rank and to 2 as the reader would."""
     from tokstream.train.ledger import Ledger
 
-    config = phased(data)
+    config = phased(data, f"data.shuffle_algo={order}")
     recipe = Recipe.open(config, 1)
     batches = PhasedBatches(recipe, pin_memory=False)
     steps = read_steps(recipe, batches, 0, 20)
