@@ -132,6 +132,16 @@ MUTATIONS = [
              "tokstream/reader/streaming_door/streaming_internals.py",
              "if kept is not None and kept[0] == settings:", "if kept is not None:",
              ("tests/test_lazy_order.py", "-k", "same_on_any_world_size")),
+    # Issue 43: where users look (TensorBoard, W&B, the plot's marks).
+    Mutation("tensorboard: no purge on relaunch", "TensorBoard never shows two values for one step of the branch",
+             "tokstream/train/dashboards.py", "SummaryWriter(folder, purge_step=step + 1 if step else None)",
+             "SummaryWriter(folder)", ("tests/test_loss_spikes.py", "-k", "rewind_with_a_skip")),
+    Mutation("wandb: no branch for steps logged again", "a W&B run never holds two values for one step",
+             "tokstream/train/dashboards.py", "again = logged_to > step", "again = False",
+             ("tests/test_loss_spikes.py", "-k", "rewind_with_a_skip")),
+    Mutation("plot: a preemption not recorded", "the plot marks preemptions",
+             "tokstream/train/trainer.py", 'run.progress.stopped_by = "preemption"', "pass",
+             ("tests/test_loss_spikes.py", "-k", "rewind_with_a_skip")),
     # Issue 42: start-up at 880 M samples (the rows' vocabulary check, the spanner, the lazy order's set-up).
     Mutation("reader vocabulary: the rows' edge", "a token id past the vocabulary is refused where it is read",
              "tokstream/reader/token_dataset.py", "over = np.flatnonzero(largest >= ", "over = np.flatnonzero(largest > ",

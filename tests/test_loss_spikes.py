@@ -10,6 +10,7 @@ import sys
 import pytest
 from conftest import ROOT
 from test_training import finish, launch, metrics, train, wait_for
+from test_training import launch as launch_to
 
 from tokstream.train.checkpoint_files import latest_step
 from tokstream.train.run_store import LocalRunStore
@@ -81,19 +82,25 @@ def test_a_rewind_with_a_skip_trains_as_a_run_that_always_skipped_and_keeps_the_
     checkpoints after 8 and metrics.jsonl as it was are moved to abandoned/, byte for byte. The branch, SIGTERMed after
     a checkpoint and relaunched with the same command on 1 rank, goes on from its own newest checkpoint (it does not
     rewind again), and every step is what a run with skip_steps=[[9,11]] from the start trains: the same samples, the
-    losses bitwise until the world size changes."""
+    losses bitwise until the world size changes. The run logs to TensorBoard and to an offline W&B run throughout
+    (check_dashboards)."""
     keep_all = "keep_checkpoints=0"
     train(2, dataset, tmp_path / "reference", "skip_steps=[[9,11]]", keep_all)
     reference = metrics(tmp_path / "reference")
     run_dir, store = tmp_path / "run", LocalRunStore(str(tmp_path / "run"))
-    train(2, dataset, run_dir, keep_all)
+    keep_all = (keep_all, f"log.tensorboard={run_dir / 'tb'}", "log.wandb={project: tokstream-tests}")
+
+    def launch(*args) -> subprocess.Popen:
+        return launch_to(*args, env=OFFLINE)
+
+    finish(launch(2, dataset, run_dir, *keep_all))
     before = {name: digest for name, digest in digests(run_dir).items()
               if name == "metrics.jsonl" or int(name[5:13]) > 8}
-    refused = launch(2, dataset, run_dir, "resume_from=8", "skip_steps=[[6,9]]", keep_all)
+    refused = launch(2, dataset, run_dir, "resume_from=8", "skip_steps=[[6,9]]", *keep_all)
     output = refused.communicate(timeout=120)[0]
     assert refused.returncode != 0 and "skip_steps [6, 9] begins at or before step 8" in output, output
     assert not (run_dir / "abandoned").exists() and latest_step(store) == 16  # a refused relaunch moved nothing
-    branch = ["resume_from=8", "skip_steps=[[9,11]]", keep_all]
+    branch = ["resume_from=8", "skip_steps=[[9,11]]", *keep_all]
     first = launch(2, dataset, run_dir, *branch)
     wait_for(lambda: (run_dir / "abandoned").exists() and (latest_step(store) or 0) >= 12 and len(metrics(run_dir)) >= 13)
     os.killpg(first.pid, signal.SIGTERM)
@@ -113,6 +120,55 @@ def test_a_rewind_with_a_skip_trains_as_a_run_that_always_skipped_and_keeps_the_
     assert branch_metrics[8]["skipped"]["steps"] == [9, 11]
     assert [sorted(sum(line["samples"], [])) for line in ledger_lines(run_dir, "1:16")] == \
         [samples(m) for m in branch_metrics]
+    check_dashboards(run_dir, branch_metrics, stopped)
+    # Each launch's first line says where it took over and why; the plot marks them, and the skip, on the curve.
+    assert branch_metrics[8]["relaunch"] == {"from_step": 8, "after": "rewind"}
+    assert branch_metrics[stopped]["relaunch"] == {"from_step": stopped, "after": "preemption"}
+    assert sum("relaunch" in m for m in branch_metrics) == 2
+    from train.plot import plot_runs
+
+    _, marks = plot_runs([str(run_dir)], str(tmp_path / "loss.png"))
+    assert marks == [("rewind", 8), ("abandoned", 9), ("skip", 9), ("preemption", stopped)]
+
+
+OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+
+
+def check_dashboards(run_dir, branch_metrics: list[dict], stopped: int) -> None:
+    """Read back what the run of the rewind test logged, from the files alone:
+    - TensorBoard, as TensorBoard reads the folder (the relaunches' purge_step applied): steps 1-16 once each, the
+      branch's losses (float32), and text events marking the rewind and the relaunch;
+    - W&B: the first launch's run holds steps 1-16; the rewind started a branch, a run of its own forked from it at
+      step 8 (its config says so too), holding steps 9-16 from two launches (the SIGTERM relaunch continued it: the
+      checkpoint kept its id); no run logged a step twice; steps 1-8 of the first and 9-16 of the branch are the
+      branch's losses, exactly."""
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tokstream.testing.wandb_files import history, run_record
+
+    board = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0, "tensors": 0},
+                             purge_orphaned_data=True)
+    board.Reload()
+    assert [(event.step, event.value) for event in board.Scalars("loss")] == \
+        [(m["step"], float(np.float32(m["loss"]))) for m in branch_metrics]
+    marks = {event.step: event.tensor_proto.string_val[0].decode() for event in board.Tensors("run/text_summary")}
+    assert marks == {8: "rewound to step 8: steps 9-16 moved to abandoned/", stopped: f"relaunched from step {stopped}"}
+
+    runs: dict[str, list] = {}
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        runs.setdefault(run_record(path).run_id, []).append(path)
+    assert len(runs) == 2 and [len(paths) for paths in runs.values()] in ([1, 2], [2, 1])
+    (first, paths_first), (branch, paths_branch) = sorted(runs.items(), key=lambda item: len(item[1]))
+    steps = {name: [h["_step"] for path in paths for h in history(path)] for name, paths in runs.items()}
+    assert steps[first] == list(range(1, 17)) and steps[branch] == list(range(9, 17))
+    forked = run_record(paths_branch[0])
+    assert (forked.branch_point.run, forked.branch_point.value) == (first, 8)
+    said = {item.key: item.value_json for item in forked.config.update}
+    assert json.loads(said["tokstream_branch"]) == {"of": first, "at_step": 8, "branch": 1}
+    logged = [h for h in history(paths_first[0]) if h["_step"] <= 8] + [h for path in paths_branch
+                                                                        for h in history(path)]
+    assert [(h["_step"], h["loss"]) for h in logged] == [(m["step"], m["loss"]) for m in branch_metrics]
 
 
 @pytest.mark.long
@@ -149,3 +205,23 @@ def test_the_guard_skips_spikes_updates_resumes_exactly_and_its_stop_says_the_co
     finish(launch(1, dataset, stop_dir, *guard, "guard.action=skip", "resume_allow=[guard.action]",
                   *settings.split()))
     assert [m["step"] for m in metrics(stop_dir)] == list(range(1, 31))
+
+
+def test_a_dashboard_whose_package_is_missing_is_refused_in_one_line(monkeypatch, tmp_path):
+    """log.tensorboard or log.wandb without its package: one line saying what to install, before any step."""
+    from tokstream.errors import UserError
+    from tokstream.train.config import load_config
+    from tokstream.train.dashboards import DashboardState, Dashboards
+
+    for setting, package in (("log.tensorboard=tb", "tensorboard"), ("log.wandb={project: p}", "wandb")):
+        monkeypatch.setitem(sys.modules, package, None)  # import fails, as where it is not installed
+        config = load_config(None, [setting, "data.remote=d"])
+        with pytest.raises(UserError) as refused:
+            Dashboards.open(config, DashboardState(), 0, 0, False, str(tmp_path), master=True)
+        key = setting.partition("=")[0]
+        assert str(refused.value) == (f"{key} needs the {package} package: pip install 'tokstream[dashboards]', or "
+                                      f"unset {key}")
+        monkeypatch.delitem(sys.modules, package)
+    other_rank = Dashboards.open(load_config(None, ["log.tensorboard=tb", "data.remote=d"]), DashboardState(), 0, 0,
+                                 False, str(tmp_path), master=False)
+    assert other_rank.tensorboard is None and not (tmp_path / "tb").exists()  # every other rank writes nothing

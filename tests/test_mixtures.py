@@ -205,6 +205,6 @@ def test_plot_draws_each_sources_validation_loss(tmp_path):
     run = tmp_path / "mix"
     run.mkdir()
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    labels = plot_runs([str(run)], str(tmp_path / "loss.png"))
+    labels, _ = plot_runs([str(run)], str(tmp_path / "loss.png"))
     assert labels == ["mix train", "mix val", "mix val books", "mix val web"]
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"

@@ -395,7 +395,7 @@ def test_the_phases_example_config_runs_on_the_real_corpora(tmp_path):
     assert all(r["val_loss"] == r["val_loss"] for r in records if "val_loss" in r)  # evaluated, finite
     from train.plot import plot_runs
 
-    labels = plot_runs([str(tmp_path / "run")], str(tmp_path / "loss.png"))
+    labels, _ = plot_runs([str(tmp_path / "run")], str(tmp_path / "loss.png"))
     assert (tmp_path / "loss.png").stat().st_size > 10_000 and "run train" in labels
 
 

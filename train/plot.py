@@ -1,6 +1,7 @@
 """Plot loss curves from one or more runs' metrics.jsonl to a PNG: training loss, validation loss,
 and for a mixture each source's validation loss; over steps, with the tokens consumed on the top axis
-(the first run's) and each phase's start marked.
+(the first run's) and each phase's start marked. On each run's curve: every relaunch (after a preemption, or
+another stop), every rewind (resume_from, with the abandoned branch's loss faded) and every skip (skip_steps).
 
     python train/plot.py runs/gpt2-124m-owt --out loss.png
     python train/plot.py runs/a runs/b --out compare.png
@@ -22,15 +23,17 @@ from tokstream.errors import CommandLine, run_cli  # noqa: E402
 from tokstream.train.metrics import run_metrics  # noqa: E402
 
 
-def plot_runs(run_dirs: list[str], out: str) -> list[str]:
-    """Write the PNG; returns the curves' labels, in drawing order."""
+def plot_runs(run_dirs: list[str], out: str) -> tuple[list[str], list[tuple[str, int]]]:
+    """Write the PNG; returns the curves' labels, in drawing order, and the marks: (what, step) each."""
     figure, axis = plt.subplots(figsize=(8, 5))
+    marks: list[tuple[str, int]] = []
     for index, run_dir in enumerate(run_dirs):
         records = run_metrics(run_dir)
         if index == 0:
             mark_tokens_and_phases(axis, records)
         name = Path(run_dir).name
-        axis.plot([r["step"] for r in records], [r["loss"] for r in records], label=f"{name} train", lw=1)
+        line, = axis.plot([r["step"] for r in records], [r["loss"] for r in records], label=f"{name} train", lw=1)
+        marks += mark_relaunches_and_skips(axis, run_dir, records, line.get_color())
         val = [r for r in records if "val_loss" in r]
         if val:
             axis.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label=f"{name} val", ms=3)
@@ -45,7 +48,51 @@ def plot_runs(run_dirs: list[str], out: str) -> list[str]:
     axis.legend()
     figure.tight_layout()
     figure.savefig(out, dpi=120)
-    return [line.get_label() for line in axis.get_lines()]
+    return [line.get_label() for line in axis.get_lines()], marks
+
+
+# How each kind of relaunch is drawn: a vertical line at the step it resumed from.
+RELAUNCH_STYLE = {"preemption": ("goldenrod", "--"), "rewind": ("tab:red", "-"), "restart": ("gray", "--")}
+
+
+def mark_relaunches_and_skips(axis, run_dir: str, records: list[dict], color: str) -> list[tuple[str, int]]:
+    """Each relaunch's line (its first metrics line says from which step, after what), a rewind's abandoned branch
+    (run_dir/abandoned/*/metrics.jsonl past the step it rewound to) faded, and a triangle where a skip left data out."""
+    marks = []
+    for record in records:
+        relaunch = record.get("relaunch")
+        if isinstance(relaunch, dict) and isinstance(relaunch.get("from_step"), int):
+            after, step = str(relaunch.get("after")), relaunch["from_step"]
+            line_color, style = RELAUNCH_STYLE.get(after, RELAUNCH_STYLE["restart"])
+            axis.axvline(step, color=line_color, ls=style, lw=0.8, alpha=0.7)
+            axis.annotate(after, (step, 0), xycoords=("data", "axes fraction"), xytext=(2, 3),
+                          textcoords="offset points", fontsize=7, color=line_color, rotation=90)
+            marks.append((after, step))
+            if after == "rewind":
+                marks += _abandoned(axis, run_dir, step, color)
+        skipped = record.get("skipped")
+        if isinstance(skipped, dict) and "steps" in skipped:
+            first, last = skipped["steps"]
+            axis.plot([record["step"]], [record["loss"]], "v", color="tab:purple", ms=6)
+            axis.annotate(f"skip {first}-{last}", (record["step"], record["loss"]), xytext=(4, 6),
+                          textcoords="offset points", fontsize=7, color="tab:purple")
+            marks.append(("skip", record["step"]))
+    return marks
+
+
+def _abandoned(axis, run_dir: str, step: int, color: str) -> list[tuple[str, int]]:
+    """The loss of the branch a rewind to `step` moved aside, past `step`, faded (the newest such branch)."""
+    from tokstream.train.metrics import read_records
+
+    folder = Path(run_dir) / "abandoned"
+    branches = sorted(folder.glob(f"after-{step:08d}-*")) if folder.is_dir() else []
+    if not branches:
+        return []
+    kept = [r for r in read_records(branches[-1]) if r["step"] > step]
+    if kept:
+        axis.plot([r["step"] for r in kept], [r["loss"] for r in kept], color=color, lw=1, alpha=0.3,
+                  label=f"{Path(run_dir).name} abandoned at the rewind to {step}")
+    return [("abandoned", kept[0]["step"])] if kept else []
 
 
 def mark_tokens_and_phases(axis, records: list[dict]) -> None:

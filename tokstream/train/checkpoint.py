@@ -372,13 +372,16 @@ class Checkpointer:
 
 
 class Progress:
-    """The run's position: optimizer steps taken."""
+    """The run's position: optimizer steps taken; and, in a checkpoint that ended a launch on a preemption notice,
+    that it did (the relaunch's first line in metrics.jsonl says so, and train/plot.py marks it)."""
 
     def __init__(self) -> None:
         self.step = 0
+        self.stopped_by: str | None = None
 
     def state_dict(self) -> dict:
-        return {"step": self.step}
+        return {"step": self.step, **({"stopped_by": self.stopped_by} if self.stopped_by else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
+        self.stopped_by = state.get("stopped_by")

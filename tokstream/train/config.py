@@ -55,6 +55,15 @@ class GuardConfig:
 
 
 @dataclass
+class LogConfig:
+    """Where rank 0 also sends each step's record (tokstream/train/dashboards.py): `pip install tokstream[dashboards]`."""
+
+    tensorboard: str | None = None  # a folder for TensorBoard's event files (tensorboard --logdir it)
+    # wandb.init's settings, e.g. {project: gpt2-owt, entity: me}; its mode from WANDB_MODE (offline: files only)
+    wandb: dict | None = None
+
+
+@dataclass
 class PhaseData:
     """What a phase reads: a dataset (remote) or a mixture (streams), as under `data:`. Unset: the previous
     phase's. How the data is read (workers, cache, shuffle settings) is the run's `data:` section."""
@@ -118,6 +127,7 @@ class TrainConfig:
     # run_dir/abandoned/ (rewind.py). Relaunching the same command goes on in the new branch.
     resume_from: int | None = None
     guard: GuardConfig = field(default_factory=GuardConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -98,6 +98,13 @@ class MetricsLog:
         temporary.write_text("".join(line + "\n" for line in kept))
         os.replace(temporary, self.path)
 
+    def last_step(self) -> int:
+        """The last step this run's metrics.jsonl holds (0 if none): what earlier launches logged."""
+        if not self.enabled or not self.path.exists():
+            return 0
+        return max((record["step"] for _, record in _records(_read_text(self.path), self.path) if record is not None),
+                   default=0)
+
     def replace(self, data: bytes) -> None:
         """Start from another copy of the run's metrics (an S3 run's, on a node that may have none)."""
         if self.enabled:

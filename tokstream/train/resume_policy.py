@@ -22,7 +22,7 @@ from tokstream.train.phases import Phase, read_through, resolve_phases, started
 
 FREE = ("run_dir", "run_local", "log_interval", "eval_interval", "eval_batches", "checkpoint_interval",
         "keep_checkpoints", "keep_every", "resume_from", "guard.rewind", "guard.skip", "background_checkpoints", "preempt_grace_s", "lease_interval_s", "trace_samples",
-        "device", "compile", "deterministic", "micro_batch_size",
+        "device", "compile", "deterministic", "micro_batch_size", "log.*",
         "data.remote", "data.local", "data.val_split", "data.num_workers", "data.prefetch_factor",
         "data.predownload", "data.cache_limit", "data.validate_hash", "data.download_retry",
         "data.clean_stale_shared_memory", "data.max_documents", "data.order_dir", "data.streams.*.remote", "data.streams.*.local", "data.streams.*.name")

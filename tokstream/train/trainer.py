@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -24,6 +24,7 @@ from tokstream.reader import BatchPlan, Dataset, eval_batches, remove_stale_shar
 from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
 from tokstream.train.checkpoint_files import Survey
 from tokstream.train.config import TrainConfig
+from tokstream.train.dashboards import DashboardState, Dashboards
 from tokstream.train.distributed import Distributed, peer_gone
 from tokstream.train.grace import budget_line, measure_write_rate, notice_line, state_bytes
 from tokstream.train.metrics import METRICS_FILE, MetricsLog, console_line
@@ -66,6 +67,8 @@ class Run:
     val_loaders: dict[str, Iterable[dict]] | None = None  # per source with a val split
     val_weights: dict[str, float] | None = None  # each one's share of an epoch: val_loss is their weighted mean
     guard: SpikeGuard | None = None  # guard.zscore > 0: the loss-spike guard, a checkpoint component
+    dashboards: Dashboards = field(default_factory=Dashboards)  # log.tensorboard, log.wandb (rank 0)
+    relaunch: dict | None = None  # a resumed launch: from which step, after what; its first line in metrics.jsonl
 
 
 def setup(config: TrainConfig) -> Run:
@@ -90,11 +93,12 @@ def setup(config: TrainConfig) -> Run:
 
 def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunStore, lease: RunLease | None) -> Run:
     """setup()'s part under the run's lease: resume or start, and everything the loop uses."""
+    rewound = False
     if config.resume_from is not None:
         target = rewind_target(store, config.resume_from)
         if target is not None:  # a refused relaunch changes nothing: checked against the target before any move
             config, recipe = check_resume(config, recipe, dist, target, target["progress"]["step"])
-        rewind_when_asked(store, config.resume_from, dist)
+        rewound = rewind_when_asked(store, config.resume_from, dist)
     checkpoint_url, saved = find_latest(store, dist)
     recipe.check_plans(saved["progress"]["step"] if saved is not None else 0)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
@@ -123,9 +127,11 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
     metrics = MetricsLog(store.local, enabled=dist.master)
     in_store = isinstance(store, S3RunStore)  # the metrics are written here and uploaded with each checkpoint
     guard = SpikeGuard(config.guard.zscore, config.guard.window) if config.guard.zscore > 0 else None
+    dashboard_state = DashboardState()
     checkpointer = Checkpointer(store, config.keep_checkpoints, dist,
                                 components={"model": raw_model, "optimizer": optimizer, "loader": batches,
-                                            "rng": rng, "progress": progress, **({"guard": guard} if guard else {})},
+                                            "rng": rng, "progress": progress, "dashboards": dashboard_state,
+                                            **({"guard": guard} if guard else {})},
                                 run_record={"config": config.to_dict(),
                                             "batch_plan": recipe.plan(recipe.phases[0]).state_dict(),
                                             "dataset_identity": recipe.datasets[0].identity,
@@ -142,9 +148,16 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
     if in_store and dist.master:
         metrics.replace(store.read_bytes(METRICS_FILE) or b"")
         print(f"metrics: {metrics.path} (a copy goes to {store.url} with each checkpoint)")
+    logged_to = metrics.last_step()
     metrics.truncate_after(progress.step)
+    relaunch = None
+    if saved is not None:
+        relaunch = {"from_step": progress.step, "after": "rewind" if rewound else progress.stopped_by or "restart"}
+        progress.stopped_by = None  # this launch's own checkpoints say nothing of it
+    dashboards = Dashboards.open(config, dashboard_state, progress.step, logged_to, rewound, store.local, dist.master)
     run = Run(config, dist, recipe, raw_model, model, optimizer, batches, progress, store, checkpointer, metrics,
-              PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None, lease, guard=guard)
+              PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None, lease, guard=guard,
+              dashboards=dashboards, relaunch=relaunch)
     line = enter_phase(run, progress.step)
     if line and dist.master:
         print(line)
@@ -270,9 +283,9 @@ def check_resume(config: TrainConfig, recipe: Recipe, dist: Distributed, saved: 
     return config, recipe
 
 
-def rewind_when_asked(store: RunStore, step: int, dist: Distributed) -> None:
+def rewind_when_asked(store: RunStore, step: int, dist: Distributed) -> bool:
     """resume_from: rank 0 moves aside what the run wrote after checkpoint `step` (rewind.py), under the lease; every
-    rank stops if it cannot."""
+    rank stops if it cannot. Whether it rewound (not when the run is already on that branch)."""
     said, refusal = None, None
     if dist.master:
         try:
@@ -284,6 +297,7 @@ def rewind_when_asked(store: RunStore, step: int, dist: Distributed) -> None:
         raise UserError(refusal)
     if said and dist.master:
         print(said)
+    return bool(said)
 
 
 def hold_the_lease(store: RunStore, interval_s: float, dist: Distributed) -> RunLease | None:
@@ -360,10 +374,13 @@ def train(config: TrainConfig) -> bool:
             break
         if skipped:
             record["skipped"] = skipped
+        if run.relaunch is not None:  # the launch's first line: where and why it took over
+            record["relaunch"], run.relaunch = run.relaunch, None
         evaluate_when_due(run, record, bar)
         log_step(run, record, bar, first_step)
         run.checkpointer.after_step(record["step"])
     bar.close()
+    run.dashboards.close()
     run.dist.close()
     if run.lease is not None:
         run.lease.release()
@@ -441,6 +458,7 @@ def progress_bar(run: Run) -> tqdm:
 def save_on_notice(run: Run, bar: tqdm) -> None:
     """A preemption notice: every rank checkpoints this step, and rank 0 says how long it took of the grace."""
     saving = time.monotonic()
+    run.progress.stopped_by = "preemption"
     run.checkpointer.save(run.progress.step)
     bar.close()
     if run.dist.master:
@@ -521,6 +539,7 @@ def log_step(run: Run, record: dict, bar: tqdm, first_step: int) -> None:
     """The step's line in metrics.jsonl, its console line every log_interval (and with a validation loss), and after
     the second step of a launch whether a step plus the saves fit in the preemption grace."""
     run.metrics.write(record)
+    run.dashboards.write(record)
     bar.update(1)
     step = record["step"]
     if run.dist.master and (step % run.config.log_interval == 0 or "val_loss" in record):
