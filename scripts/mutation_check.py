@@ -142,6 +142,9 @@ MUTATIONS = [
     Mutation("plot: a preemption not recorded", "the plot marks preemptions",
              "tokstream/train/trainer.py", 'run.progress.stopped_by = "preemption"', "pass",
              ("tests/test_loss_spikes.py", "-k", "rewind_with_a_skip")),
+    Mutation("rewind in S3: nothing copied", "a rewind deletes nothing it has not copied whole",
+             "tokstream/train/run_store.py", 'self.store.copy(name, f"{folder}/{name}")', "pass",
+             ("tests/test_s3.py", "-k", "rewinds")),
     # Issue 42: start-up at 880 M samples (the rows' vocabulary check, the spanner, the lazy order's set-up).
     Mutation("reader vocabulary: the rows' edge", "a token id past the vocabulary is refused where it is read",
              "tokstream/reader/token_dataset.py", "over = np.flatnonzero(largest >= ", "over = np.flatnonzero(largest > ",

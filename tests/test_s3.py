@@ -460,3 +460,29 @@ def test_plotting_a_run_without_metrics_is_one_line_not_a_blank_plot(proxy, tmp_
         assert (done.returncode, done.stderr) == (2, f"error: {run_dir} holds no metrics: is it a run directory, "
                                                      "and has its run logged a step?\n")
         assert not (tmp_path / "loss.png").exists()
+
+
+@pytest.mark.long
+def test_a_run_in_s3_rewinds_keeping_the_abandoned_branch_byte_for_byte(proxy, dataset, tmp_path):
+    """resume_from on an S3 run_dir: the checkpoints after the step, with metrics.jsonl and LATEST as they were, are
+    copied under abandoned/ byte for byte and then deleted where they were; the branch trains as a run that had
+    skip_steps from the start (the same samples, the same losses), and its relaunch does not rewind again."""
+    url = f"s3://{BUCKET}/rewind-{os.getpid()}"
+    store = S3Dataset(url)
+    common = ("max_steps=12", "optim.decay_steps=12", "keep_checkpoints=0", f"run_local={tmp_path / 'local'}")
+    training.train(1, dataset, tmp_path / "reference", *common, "skip_steps=[[5,6]]")
+    reference = training.metrics(tmp_path / "reference")
+    training.train(1, dataset, url, *common)
+    before = {name: store.get_bytes(name) for name in store.keys()
+              if name in ("metrics.jsonl", "LATEST") or (name.startswith("ckpt-") and int(name[5:13]) > 4)}
+    assert len(before) == 2 + 2 * 2  # checkpoints 8 and 12, each with its manifest
+    said = training.train(1, dataset, url, *common, "resume_from=4", "skip_steps=[[5,6]]")
+    assert f"resume_from=4: rewound; checkpoints 8, 12 and metrics.jsonl as it was moved to {url}/abandoned/" in said
+    (folder,) = {name.split("/")[1] for name in store.keys() if name.startswith("abandoned/")}
+    aside = S3Dataset(f"{url}/abandoned/{folder}")
+    assert sorted(aside.keys()) == sorted(before) and all(aside.get_bytes(name) == data for name, data in before.items())
+    branch = training.metrics(url)
+    assert [(m["step"], m["samples"], m["loss"]) for m in branch] == \
+        [(m["step"], m["samples"], m["loss"]) for m in reference]
+    again = training.train(1, dataset, url, *common, "resume_from=4", "skip_steps=[[5,6]]", "max_steps=13")
+    assert "rewound" not in again and "resumed from" in again

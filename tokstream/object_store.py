@@ -128,6 +128,12 @@ class S3Dataset:
         except Exception as err:
             raise UserError(f"cannot read {self.url}/{relative}: {describe_error(err)}") from None
 
+    def copy(self, relative: str, to: str) -> None:
+        """A server-side copy of one object to another key under the prefix (in parts above 5 GB)."""
+        # The copy's checksum computed afresh: a multipart copy's parts are not the upload's.
+        self.client.copy({"Bucket": self.bucket, "Key": self.key(relative)}, self.bucket, self.key(to),
+                         ExtraArgs={"ChecksumAlgorithm": "CRC32"})
+
     def delete(self, relatives: list[str]) -> None:
         for start in range(0, len(relatives), 1000):
             objects = [{"Key": self.key(r)} for r in relatives[start : start + 1000]]

@@ -1,8 +1,9 @@
 """Rewinding a run to an earlier checkpoint (resume_from=STEP; docs/loss-spikes.md): the checkpoints after it, and
 metrics.jsonl as it was, are moved aside into run_dir/abandoned/, never deleted, and the run resumes from STEP.
 
-The invariant: nothing is removed. A rewind moves later checkpoints (data file and manifest, each renamed whole) and
-copies metrics.jsonl into a folder of its own, then points LATEST at STEP; the relaunch then trims metrics.jsonl to
+The invariant: nothing is removed. A rewind moves later checkpoints (data file and manifest, each renamed whole; in S3
+copied whole, and the originals deleted once every copy has their size) and copies metrics.jsonl into a folder of
+its own, then points LATEST at STEP; the relaunch then trims metrics.jsonl to
 STEP as any resume does. Every checkpoint the branch writes records resume_from in its config, so relaunching the
 same command after a preemption goes on in the branch: a run rewinds only while a checkpoint newer than STEP was
 written by another branch. A rewind cut off is finished by the next launch (into a folder of its own).
@@ -10,7 +11,6 @@ written by another branch. A rewind cut off is finished by the next launch (into
 
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -35,29 +35,30 @@ def rewind(store: RunStore, step: int) -> str | None:
     later = sorted({s for s in survey.complete + survey.without_manifest + survey.stray_manifests if s > step})
     if not later:
         return None
-    if not isinstance(store, LocalRunStore):
-        raise UserError(f"resume_from={step}: rewinding a run_dir in S3 is not built yet; copy the run to a local "
-                        "folder to rewind it there")
-    problem = mismatch(store.root / checkpoint_name(step), read_manifest(store, step) or {"bytes": -1, HASH: ""})
+    problem = _target_problem(store, step)
     if problem is not None:
         raise UserError(f"resume_from={step}: the checkpoint at step {step} is damaged ({problem}); nothing was moved: "
                         "give another step")
-    folder = store.root / ABANDONED / f"after-{step:08d}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-    folder.mkdir(parents=True)
-    if (store.root / METRICS_FILE).exists():
-        shutil.copy2(store.root / METRICS_FILE, folder / METRICS_FILE)
-    if (store.root / POINTER).exists():
-        shutil.copy2(store.root / POINTER, folder / POINTER)
-    for later_step in later:  # data file first: a move cut off leaves a manifest without data, never the reverse
-        for name in (checkpoint_name(later_step), manifest_name(later_step)):
-            if (store.root / name).exists():
-                os.replace(store.root / name, folder / name)
-    _sync(folder)
-    _sync(store.root)
+    folder = f"{ABANDONED}/after-{step:08d}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    # Data files before manifests: a move cut off leaves a manifest without data, never the reverse.
+    moved = [name for later_step in later for name in (checkpoint_name(later_step), manifest_name(later_step))]
+    store.set_aside([METRICS_FILE, POINTER], moved, folder)
     store.publish_bytes(POINTER, json.dumps({"checkpoint": checkpoint_name(step), "step": step}).encode())
-    moved = ", ".join(map(str, later))
-    return (f"resume_from={step}: rewound; checkpoints {moved} and metrics.jsonl as it was moved to "
-            f"{folder.relative_to(store.root.parent) if store.root.parent != Path('.') else folder}")
+    where = f"{store.url.rstrip('/')}/{folder}" if not isinstance(store, LocalRunStore) else (
+        store.root / folder if store.root.parent == Path(".") else (store.root / folder).relative_to(store.root.parent))
+    return (f"resume_from={step}: rewound; checkpoints {', '.join(map(str, later))} and metrics.jsonl as it was "
+            f"moved to {where}")
+
+
+def _target_problem(store: RunStore, step: int) -> str | None:
+    """What is wrong with the checkpoint to rewind to, checked before anything moves: a local file against its
+    manifest's size and hash; an object in S3 against the size (its hash is checked when it is loaded, as every
+    checkpoint's is)."""
+    manifest = read_manifest(store, step) or {"bytes": -1, HASH: ""}
+    if isinstance(store, LocalRunStore):
+        return mismatch(store.root / checkpoint_name(step), manifest)
+    size = store.store.sizes().get(checkpoint_name(step))
+    return None if size == manifest.get("bytes") else f"{size} bytes, its manifest says {manifest.get('bytes')}"
 
 
 def rewind_target(store: RunStore, step: int) -> dict | None:
@@ -80,11 +81,3 @@ def on_branch(store: RunStore, newest: int, step: int) -> bool:
     manifest = read_manifest(store, newest) or {}
     config = (manifest.get("run") or {}).get("config") or {}
     return config.get("resume_from") == step
-
-
-def _sync(folder: Path) -> None:
-    handle = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)

@@ -68,6 +68,23 @@ class LocalRunStore:
         for name in names:
             (self.root / name).unlink(missing_ok=True)
 
+    def set_aside(self, copied: list[str], moved: list[str], folder: str) -> None:
+        """Copy `copied` and move `moved` (those that exist, in that order) into the sub-folder `folder`, durably."""
+        target = self.root / folder
+        target.mkdir(parents=True)
+        for name in copied:
+            if (self.root / name).exists():
+                shutil.copy2(self.root / name, target / name)
+        for name in moved:
+            if (self.root / name).exists():
+                os.replace(self.root / name, target / name)
+        for directory in (target, self.root):
+            handle = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(handle)
+            finally:
+                os.close(handle)
+
 
 class S3RunStore:
     """A run directory at s3://bucket/prefix, with a node-local directory for staging and metrics."""
@@ -129,6 +146,28 @@ class S3RunStore:
             self.store.delete(names)
         except Exception as err:
             raise self._fail("delete old checkpoints in", err) from None
+
+    def set_aside(self, copied: list[str], moved: list[str], folder: str) -> None:
+        """Copy `copied` and `moved` (those that exist) under the prefix `folder/`, server-side; then, every copy
+        there with its original's size, delete the originals of `moved`, in their order. Cut off before the deletes,
+        the originals are all still there (and a copy of them)."""
+        try:
+            sizes = self.store.sizes()
+            present = [name for name in copied + moved if name in sizes]
+            for name in present:
+                self.store.copy(name, f"{folder}/{name}")
+            copies = S3Dataset(f"{self.url}/{folder}").sizes()
+            short = [name for name in present if copies.get(name) != sizes[name]]
+            if short:
+                raise StoreError(f"cannot set aside {', '.join(short)} in {self.url}: the copies in {folder}/ are not "
+                                 "whole; nothing was deleted")
+            for name in moved:
+                if name in sizes:
+                    self.store.delete([name])
+        except StoreError:
+            raise
+        except Exception as err:
+            raise self._fail("set aside checkpoints in", err) from None
 
 
 RunStore = LocalRunStore | S3RunStore
