@@ -1,9 +1,9 @@
 """Training checks its dataset (issue 29): a dataset that disagrees with itself, or with the model, ends the
 run in one line naming the file, through torchrun, instead of training on repeats or an IndexError mid-run.
 
-Counts are checked at start (metadata.json against index.json, index.json against the shards' headers);
-token ids, and the counts of shards not local at start (compressed, or remote), when a reader first maps a
-shard. A bad config file or override is one line too.
+Counts are checked at start (metadata.json against index.json, index.json against the shards' headers), and
+the counts of shards not local at start (compressed, or remote) when a reader first maps one; token ids in every
+batch read. A bad config file or override is one line too.
 """
 
 import json
@@ -91,7 +91,7 @@ def test_a_compressed_shard_claiming_more_samples_is_refused_when_first_read(tmp
 
 def test_a_token_id_outside_the_vocabulary_is_refused_naming_the_shard(data, tmp_path):
     """Id 60,000 in a GPT-2 dataset (vocab_size 50,257): an IndexError in the embedding lookup (a device
-    assert on a GPU) before the check. Both ranks read the shard; the one that meets it first says so,
+    assert on a GPU) without the check. Both ranks read the shard; the one that meets it first says so,
     even when it is not rank 0."""
     shard = data / "train" / "shard.00000.mds"
     body = bytearray(shard.read_bytes())
@@ -100,6 +100,41 @@ def test_a_token_id_outside_the_vocabulary_is_refused_naming_the_shard(data, tmp
     assert refused(data, tmp_path) == [
         f"error: shard {shard} holds token id 60000, outside the dataset's vocab_size 50257: the dataset is damaged; "
         f"python convert/verify.py {data} checks every shard, reconverting repairs it"]
+
+
+@pytest.mark.parametrize("workers,reuse_buffers", [(0, False), (2, False), (2, True)],
+                         ids=["in-rank", "workers", "workers-ring"])
+def test_an_id_past_the_vocabulary_in_a_later_shard_and_a_target_column_is_refused_on_every_path(
+        tmp_path, workers, reuse_buffers):
+    """The check is on what each batch reads: an id planted in the last column (a target only) of one sample of the
+    third of five shards is refused in the batch holding it, naming that shard, never handed out, whether the rank
+    reads the batch itself or DataLoader workers do, through their pickles or the shared ring."""
+    import xxhash
+
+    from tokstream.errors import DamagedData
+    from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
+
+    data = training.tiny_splits(tmp_path, 600, 16, shard_size="16kb")
+    index = json.loads((data / "train" / "index.json").read_text())
+    assert len(index["shards"]) >= 5
+    shard = data / "train" / index["shards"][2]["raw_data"]["basename"]
+    body = bytearray(shard.read_bytes())
+    shard_samples(body, np.uint16, 65)[5, 64] = 50257  # sample 5 of shard 2: its last token, a target only
+    shard.write_bytes(body)
+    edit_json(data / "train" / "index.json",
+              lambda index: index["shards"][2]["raw_data"]["hashes"].update(xxh64=xxhash.xxh64(bytes(body)).hexdigest()))
+    planted = sum(entry["samples"] for entry in index["shards"][:2]) + 5
+    batches = TrainBatches(open_dataset(DataConfig(remote=str(data), num_workers=workers), 50257), BatchPlan(8, 8, 1),
+                           reuse_buffers=reuse_buffers)
+    given = []
+    try:
+        with pytest.raises(DamagedData, match=f"shard {shard} holds token id 50257, outside the dataset's vocab_size "
+                                              "50257: the dataset is damaged"):
+            for _ in range(600 // 8):
+                given += next(batches)["ids"].tolist()
+    finally:
+        batches.close()
+    assert planted not in given and len(given) < 600 - 8
 
 
 def main(*args: str) -> subprocess.CompletedProcess:

@@ -137,7 +137,7 @@ OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 def check_dashboards(run_dir, branch_metrics: list[dict], stopped: int) -> None:
     """Read back what the run of the rewind test logged, from the files alone:
     - TensorBoard, as TensorBoard reads the folder (the relaunches' purge_step applied): steps 1-16 once each, the
-      branch's losses (float32), and text events marking the rewind and the relaunch;
+      branch's losses (float32), and one text event marking each launch's first step (the rewind, the relaunch);
     - W&B: the first launch's run holds steps 1-16; the rewind started a branch, a run of its own forked from it at
       step 8 (its config says so too), holding steps 9-16 from two launches (the SIGTERM relaunch continued it: the
       checkpoint kept its id); no run logged a step twice; steps 1-8 of the first and 9-16 of the branch are the
@@ -152,8 +152,8 @@ def check_dashboards(run_dir, branch_metrics: list[dict], stopped: int) -> None:
     board.Reload()
     assert [(event.step, event.value) for event in board.Scalars("loss")] == \
         [(m["step"], float(np.float32(m["loss"]))) for m in branch_metrics]
-    marks = {event.step: event.tensor_proto.string_val[0].decode() for event in board.Tensors("run/text_summary")}
-    assert marks == {8: "rewound to step 8: steps 9-16 moved to abandoned/", stopped: f"relaunched from step {stopped}"}
+    marks = [(event.step, event.tensor_proto.string_val[0].decode()) for event in board.Tensors("run/text_summary")]
+    assert marks == [(9, "rewound to step 8 (rewind)"), (stopped + 1, f"relaunched from step {stopped} (preemption)")]
 
     runs: dict[str, list] = {}
     for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
@@ -207,21 +207,65 @@ def test_the_guard_skips_spikes_updates_resumes_exactly_and_its_stop_says_the_co
     assert [m["step"] for m in metrics(stop_dir)] == list(range(1, 31))
 
 
-def test_a_dashboard_whose_package_is_missing_is_refused_in_one_line(monkeypatch, tmp_path):
-    """log.tensorboard or log.wandb without its package: one line saying what to install, before any step."""
+def test_a_dashboard_whose_package_is_missing_or_whose_settings_are_wrong_is_refused_in_one_line(monkeypatch, tmp_path):
+    """log.tensorboard or log.wandb without its package, or log.wandb with settings wandb.init does not take or that
+    the checkpoint decides: one line saying what to do, before any step."""
     from tokstream.errors import UserError
     from tokstream.train.config import load_config
-    from tokstream.train.dashboards import DashboardState, Dashboards
+    from tokstream.train.dashboards import DashboardState, Dashboards, Takeover
 
+    fresh = Takeover(0, False, None)
     for setting, package in (("log.tensorboard=tb", "tensorboard"), ("log.wandb={project: p}", "wandb")):
         monkeypatch.setitem(sys.modules, package, None)  # import fails, as where it is not installed
         config = load_config(None, [setting, "data.remote=d"])
         with pytest.raises(UserError) as refused:
-            Dashboards.open(config, DashboardState(), 0, 0, False, str(tmp_path), master=True)
+            Dashboards.open(config, DashboardState(), fresh, str(tmp_path), master=True)
         key = setting.partition("=")[0]
         assert str(refused.value) == (f"{key} needs the {package} package: pip install 'tokstream[dashboards]', or "
                                       f"unset {key}")
         monkeypatch.delitem(sys.modules, package)
-    other_rank = Dashboards.open(load_config(None, ["log.tensorboard=tb", "data.remote=d"]), DashboardState(), 0, 0,
-                                 False, str(tmp_path), master=False)
+    for settings, said in (("{project: p, resume: must}", "log.wandb.resume: the run's W&B id and branch are kept in "
+                                                          "its checkpoints; leave resume out"),
+                           ("{project:p}", "log.wandb holds 'project:p', which wandb.init does not take (YAML reads "
+                                           "{project:p} as one key: put a space after the colon); give wandb.init's "
+                                           "settings, e.g. {project: gpt2, entity: me}")):
+        with pytest.raises(UserError) as refused:
+            Dashboards.open(load_config(None, [f"log.wandb={settings}", "data.remote=d"]), DashboardState(), fresh,
+                            str(tmp_path), master=True)
+        assert str(refused.value) == said
+    other_rank = Dashboards.open(load_config(None, ["log.tensorboard=tb", "data.remote=d"]), DashboardState(), fresh,
+                                 str(tmp_path), master=False)
     assert other_rank.tensorboard is None and not (tmp_path / "tb").exists()  # every other rank writes nothing
+
+
+@pytest.mark.long
+def test_dashboards_turned_off_for_a_branch_hold_no_step_of_another_when_turned_on_again(dataset, tmp_path):
+    """Trained to 12 with TensorBoard and W&B; rewound to 4 and trained to 12 again with both off; then both on again
+    to step 16. TensorBoard shows steps 1-4 and 13-16, each once, with this branch's losses (5-12 of the first branch
+    purged, the branch's own never given to it); the W&B run of the first launch is not continued (it holds the
+    other branch's 5-12): a branch forked from it at step 4 holds 13-16. The last launch's first line says it took
+    over after the run's end."""
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tokstream.testing.wandb_files import history, run_record
+
+    run_dir = tmp_path / "run"
+    common = ("max_steps=12", "keep_checkpoints=0")
+    on = (f"log.tensorboard={run_dir / 'tb'}", "log.wandb={project: tokstream-tests}")
+    finish(launch_to(1, dataset, run_dir, *common, *on, env=OFFLINE))
+    finish(launch_to(1, dataset, run_dir, *common, "resume_from=4"))
+    finish(launch_to(1, dataset, run_dir, *common, "resume_from=4", "max_steps=16", *on, env=OFFLINE))
+    branch = metrics(run_dir)
+    assert branch[12]["relaunch"] == {"from_step": 12, "after": "end"}
+    board = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0}, purge_orphaned_data=True)
+    board.Reload()
+    assert [(event.step, event.value) for event in board.Scalars("loss")] == \
+        [(m["step"], float(np.float32(m["loss"]))) for m in branch if m["step"] <= 4 or m["step"] > 12]
+    runs = {run_record(path).run_id: path for path in (run_dir / "wandb").glob("offline-run-*/run-*.wandb")}
+    assert len(runs) == 2
+    (first,) = [name for name, path in runs.items() if not run_record(path).branch_point.run]
+    (forked,) = [path for name, path in runs.items() if name != first]
+    assert (run_record(forked).branch_point.run, run_record(forked).branch_point.value) == (first, 4)
+    assert [h["_step"] for h in history(runs[first])] == list(range(1, 13))
+    assert [(h["_step"], h["loss"]) for h in history(forked)] == [(m["step"], m["loss"]) for m in branch[12:]]

@@ -164,7 +164,8 @@ def test_start_removes_only_unmapped_blocks_of_its_own_dataset(dataset, tmp_path
             path.unlink(missing_ok=True)
 
 
-def tiny_splits(root: Path, train_samples: int, val_samples: int, seed: int = 0, block_size: int = 64) -> Path:
+def tiny_splits(root: Path, train_samples: int, val_samples: int, seed: int = 0, block_size: int = 64,
+                shard_size: str = "64mb") -> Path:
     """A dataset with exactly these sample counts (block 64 unless said), from token files; another seed, other
     tokens."""
     import numpy as np
@@ -180,7 +181,7 @@ def tiny_splits(root: Path, train_samples: int, val_samples: int, seed: int = 0,
         ((np.arange(samples * block_size + 1) * 7919 + seed * 104729) % 50256).astype("<u2").tofile(path)
         files[split] = [open_token_file(path)]
     convert_token_files(files, str(root / "ds"), Vocabulary.of(load_tokenizer("gpt2")),
-                        ConversionOptions(block_size=block_size, progress=False))
+                        ConversionOptions(block_size=block_size, progress=False, shard_size=shard_size))
     return root / "ds"
 
 

@@ -48,11 +48,12 @@ def plot_runs(run_dirs: list[str], out: str) -> tuple[list[str], list[tuple[str,
     axis.legend()
     figure.tight_layout()
     figure.savefig(out, dpi=120)
-    return [line.get_label() for line in axis.get_lines()], marks
+    return [line.get_label() for line in axis.get_lines() if not line.get_label().startswith("_")], marks
 
 
 # How each kind of relaunch is drawn: a vertical line at the step it resumed from.
-RELAUNCH_STYLE = {"preemption": ("goldenrod", "--"), "rewind": ("tab:red", "-"), "restart": ("gray", "--")}
+RELAUNCH_STYLE = {"preemption": ("goldenrod", "--"), "rewind": ("tab:red", "-"), "restart": ("gray", "--"),
+                  "end": ("gray", ":")}
 
 
 def mark_relaunches_and_skips(axis, run_dir: str, records: list[dict], color: str) -> list[tuple[str, int]]:
@@ -81,11 +82,19 @@ def mark_relaunches_and_skips(axis, run_dir: str, records: list[dict], color: st
 
 
 def _abandoned(axis, run_dir: str, step: int, color: str) -> list[tuple[str, int]]:
-    """The loss of the branch a rewind to `step` moved aside, past `step`, faded (the newest such branch)."""
+    """The loss of the branch a rewind to `step` moved aside, past `step`, faded (the newest such branch), from a
+    local run_dir or one in S3."""
+    from tokstream.object_store import S3Dataset, is_s3
     from tokstream.train.metrics import read_records
 
-    folder = Path(run_dir) / "abandoned"
-    branches = sorted(folder.glob(f"after-{step:08d}-*")) if folder.is_dir() else []
+    start = f"after-{step:08d}-"
+    if is_s3(run_dir):
+        branches = sorted({key.split("/")[0] for key in S3Dataset(f"{run_dir.rstrip('/')}/abandoned").keys()
+                           if key.startswith(start) and key.endswith("/metrics.jsonl")})
+        branches = [f"{run_dir.rstrip('/')}/abandoned/{name}" for name in branches]
+    else:
+        folder = Path(run_dir) / "abandoned"
+        branches = sorted(str(path) for path in folder.glob(f"{start}*")) if folder.is_dir() else []
     if not branches:
         return []
     kept = [r for r in read_records(branches[-1]) if r["step"] > step]

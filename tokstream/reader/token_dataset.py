@@ -101,7 +101,7 @@ class TokenDataset(internals.ResumeStateKept, internals.WindowedDownloadAhead):
     def _check(self, shard_id: int, path: object, problem: str | None = None, largest: int | None = None) -> None:
         """Refuse a shard read with a `problem`, or whose `largest` token id is past its stream's vocabulary,
         which would end training in an embedding lookup (a device assert on a GPU). Run once per mapped shard,
-        and for the rows of each batch (_check_vocabulary)."""
+        and for each batch read (_check_vocabulary)."""
         stream = self.stream_per_shard[shard_id]
         if problem is None and largest is not None:
             problem = vocabulary_problem(largest, self.vocab_sizes[stream])
@@ -158,15 +158,17 @@ class TokenDataset(internals.ResumeStateKept, internals.WindowedDownloadAhead):
                 except FileNotFoundError:  # evicted already (a cache_limit): checked when it is mapped
                     problem = None
                 self._check(shard_id, path, problem)
-        if self.vocab_sizes is not None:
-            self._check_vocabulary(shards, rows)
         return rows
 
-    def _check_vocabulary(self, shards: np.ndarray, rows: list[np.ndarray]) -> None:
-        """Refuse rows holding a token id past their stream's vocabulary, naming the first such row's shard. The
-        rows read, not their whole shards: a shard's first read would otherwise scan it (64 MB a shard, in every
-        rank and worker: most of a first batch's time where ranks share a node's disk and memory)."""
-        largest = np.fromiter((row.max() for row in rows), np.int64, len(rows))
+    def _check_vocabulary(self, ids: np.ndarray, tokens: np.ndarray) -> None:
+        """Refuse stacked (samples, tokens) holding a token id past its stream's vocabulary, naming the first such
+        sample's shard. Every token counts (the last is a target) and only the samples read: a scan of each shard
+        at its first read cost every rank and worker 64 MB a shard at start-up. One max over the batch; the rows
+        are looked at one by one only when it is past the smallest vocabulary."""
+        if self.vocab_sizes is None or not tokens.size or int(tokens.max()) < min(self.vocab_sizes):
+            return
+        largest = tokens.max(axis=1).astype(np.int64)
+        shards, _ = internals.shard_of_samples(self, ids)
         over = np.flatnonzero(largest >= np.asarray(self.vocab_sizes)[self.stream_per_shard[shards]])
         if len(over):
             shard_id = int(shards[over[0]])
@@ -182,19 +184,24 @@ class TokenDataset(internals.ResumeStateKept, internals.WindowedDownloadAhead):
         ids = np.array(sample_ids, dtype=np.int64)
         worker = get_worker_info()
         if worker is not None and self.ring is not None:
-            transfer = self.ring.write(worker.id, self._rows(ids))
+            transfer = self.ring.write(worker.id, self._rows(ids),
+                                       check=lambda tokens: self._check_vocabulary(ids, tokens))
             if transfer is None:  # the rank closed the ring: it reads no more
                 os._exit(0)
             return {"worker": worker.id, "transfer": transfer, "ids": ids.reshape(-1, self.batch_size)}
         if worker is not None:
             tokens = np.stack(self._rows(ids))
+            self._check_vocabulary(ids, tokens)
             return {"worker": worker.id, "tokens": tokens.reshape(-1, self.batch_size, tokens.shape[1]),
                     "ids": ids.reshape(-1, self.batch_size)}
         dtype, length = self.sample_format()
         tokens = torch.empty((len(ids), length), dtype=_TORCH_DTYPE[dtype], pin_memory=self.pin_batches)
         np.stack(self._rows(ids), out=tokens.numpy())
+        self._check_vocabulary(ids, tokens.numpy())
         return {"tokens": tokens, "ids": torch.from_numpy(ids)}
 
     def get_item(self, sample_id: int) -> dict:
         """One sample (dataset[i]): a view of its mapped shard."""
-        return {"tokens": self._rows(np.array([sample_id]))[0], "id": sample_id}
+        row = self._rows(np.array([sample_id]))[0]
+        self._check_vocabulary(np.array([sample_id]), row[None])
+        return {"tokens": row, "id": sample_id}

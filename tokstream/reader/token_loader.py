@@ -71,15 +71,21 @@ def _end_workers() -> None:
     """At exit, end the workers of loaders still alive (a rank ending on an exception), the DataLoader's
     own way. multiprocessing's exit would SIGTERM them, which they ignore, and then wait for them forever."""
     for batches in list(_WITH_WORKERS):
-        if (ring := getattr(batches, "transfer_ring", None)) is not None:
-            ring.close()  # a worker waiting for a slot would not see the DataLoader's end
-        batches._shutdown_workers()
-        for worker in getattr(batches, "_workers", []):
-            # Still there: waiting in streaming for a worker that failed (its epoch order never comes), where it sees
-            # neither the DataLoader's end nor the SIGTERM it ignores. The rank is exiting: nothing it does matters.
-            if worker.is_alive():
-                worker.kill()
-                worker.join(timeout=10)
+        _end(batches)
+
+
+def _end(batches) -> None:
+    """End a DataLoader iterator's workers, the DataLoader's own way, then kill any still there."""
+    if (ring := getattr(batches, "transfer_ring", None)) is not None:
+        ring.close()  # a worker waiting for a slot would not see the DataLoader's end
+    batches._shutdown_workers()
+    for worker in getattr(batches, "_workers", []):
+        # Still there: waiting in streaming for a worker that failed (its epoch order never comes), where it sees
+        # neither the DataLoader's end nor the SIGTERM it ignores. Its reader is done with it: nothing it does matters.
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=10)
+    _WITH_WORKERS.discard(batches)
 
 
 def _as_the_worker_said(err: Exception) -> Exception:
@@ -159,11 +165,13 @@ class TokenLoader(StreamingDataLoader):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         self.num_samples_yielded = 0
         ring = self.dataset.ring = self._ring()  # before the workers fork: they inherit it
+        with_workers = None
         try:
             batches = DataLoader.__iter__(self)  # not StreamingDataLoader's: it would count transfers
             if ring is not None and self.pins:
                 ring.pin()  # the workers have forked
             if self.num_workers:
+                with_workers = batches
                 _WITH_WORKERS.add(batches)
                 batches.transfer_ring = ring
                 batches = in_stock_order(batches, self.num_workers, self.pins, ring)
@@ -176,6 +184,8 @@ class TokenLoader(StreamingDataLoader):
             self.dataset.ring = None
             if ring is not None:
                 ring.close()
+            if with_workers is not None:  # the epoch ended, was closed, or a worker's error ended it
+                _end(with_workers)
 
     def _ring(self) -> TransferRing | None:
         """The ring this iteration's workers write into, where they will be forked from this process."""

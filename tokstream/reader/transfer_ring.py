@@ -65,9 +65,10 @@ class TransferRing:
 
     # In a worker.
 
-    def write(self, worker: int, rows: list[np.ndarray]) -> int | None:
+    def write(self, worker: int, rows: list[np.ndarray], check=None) -> int | None:
         """Stack `rows` into this worker's next slot, once the rank has released it; its transfer number,
-        or None if the rank has closed the ring (it reads no more: the worker should end)."""
+        or None if the rank has closed the ring (it reads no more: the worker should end). `check`: called with
+        the stacked (rows, length) array before the transfer is sent; what it raises, the worker raises."""
         transfer = self._sent.get(worker, 0)
         while self._released[worker] < transfer - self.slots + 1:
             if self._released[-1]:
@@ -77,6 +78,8 @@ class TransferRing:
         out = np.frombuffer(self._region, dtype=self.dtype, count=len(rows) * self.length,
                             offset=start * self.dtype.itemsize)
         np.stack(rows, out=out.reshape(len(rows), self.length))
+        if check is not None:
+            check(out.reshape(len(rows), self.length))
         self._sent[worker] = transfer + 1
         return transfer
 

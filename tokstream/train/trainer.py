@@ -24,7 +24,7 @@ from tokstream.reader import BatchPlan, Dataset, eval_batches, remove_stale_shar
 from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
 from tokstream.train.checkpoint_files import Survey
 from tokstream.train.config import TrainConfig
-from tokstream.train.dashboards import DashboardState, Dashboards
+from tokstream.train.dashboards import DashboardState, Dashboards, Takeover
 from tokstream.train.distributed import Distributed, peer_gone
 from tokstream.train.grace import budget_line, measure_write_rate, notice_line, state_bytes
 from tokstream.train.metrics import METRICS_FILE, MetricsLog, console_line
@@ -145,16 +145,23 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
             print(f"resumed from {checkpoint_url} at step {progress.step}")
         if "streams" not in saved["loader"]:
             count_before_phases(batches, recipe, progress.step, dist.master)
+    logged_here = metrics.last_step()  # an S3 run's own lines on this node, newer than the store's copy
     if in_store and dist.master:
         metrics.replace(store.read_bytes(METRICS_FILE) or b"")
         print(f"metrics: {metrics.path} (a copy goes to {store.url} with each checkpoint)")
-    logged_to = metrics.last_step()
+    logged_to = max(logged_here, metrics.last_step())
     metrics.truncate_after(progress.step)
-    relaunch = None
+    relaunch, takeover = None, Takeover(0, logged_to > 0, None)
     if saved is not None:
-        relaunch = {"from_step": progress.step, "after": "rewind" if rewound else progress.stopped_by or "restart"}
+        # A launch that resumes at its resume_from starts the branch: rewinding now, or again after a kill before
+        # the branch's first checkpoint.
+        after = "rewind" if rewound or config.resume_from == progress.step else progress.stopped_by or "restart"
+        relaunch = {"from_step": progress.step, "after": after}
+        known = not in_store or progress.stopped_by in ("preemption", "end")
+        takeover = Takeover(progress.step, logged_to > progress.step or not known,
+                            f"{'rewound to' if after == 'rewind' else 'relaunched from'} step {progress.step} ({after})")
         progress.stopped_by = None  # this launch's own checkpoints say nothing of it
-    dashboards = Dashboards.open(config, dashboard_state, progress.step, logged_to, rewound, store.local, dist.master)
+    dashboards = Dashboards.open(config, dashboard_state, takeover, store.local, dist.master)
     run = Run(config, dist, recipe, raw_model, model, optimizer, batches, progress, store, checkpointer, metrics,
               PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None, lease, guard=guard,
               dashboards=dashboards, relaunch=relaunch)
@@ -376,6 +383,8 @@ def train(config: TrainConfig) -> bool:
             record["skipped"] = skipped
         if run.relaunch is not None:  # the launch's first line: where and why it took over
             record["relaunch"], run.relaunch = run.relaunch, None
+        if record["step"] == config.max_steps:  # the last step's checkpoint: a relaunch knows nothing came after
+            run.progress.stopped_by = "end"
         evaluate_when_due(run, record, bar)
         log_step(run, record, bar, first_step)
         run.checkpointer.after_step(record["step"])
