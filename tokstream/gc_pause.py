@@ -2,9 +2,11 @@
 
 Opening a dataset makes a few Python objects per shard (the parsed index.json, streaming's shard readers): at
 27,474 shards (880 M samples of 1,025 tokens) some 800 K of them, all long-lived. Each generational collection
-those allocations trigger walks every object made so far, which is quadratic in the shards: 45 % of a rank's
-0.99 s to build its dataset at that size (bench/README.md, "First batch as the dataset grows"). Nothing made
-there is cyclic garbage, so pausing loses nothing; the collector's state is restored afterwards."""
+those allocations trigger walks every object made so far, which is quadratic in the shards: building the dataset
+at that size took 0.91-1.01 s with the collector on and 0.46-0.48 s paused (one rank, 2 cores; the first batch's
+figures in bench/README.md, "First batch as the dataset grows"). Nothing made there is cyclic garbage; the one
+collection of them all happens later, once. The collector's state is restored afterwards. Process-wide, as Python's
+collector is: the project builds datasets in the main thread only."""
 
 import gc
 from collections.abc import Iterator
