@@ -486,3 +486,7 @@ def test_a_run_in_s3_rewinds_keeping_the_abandoned_branch_byte_for_byte(proxy, d
         [(m["step"], m["samples"], m["loss"]) for m in reference]
     again = training.train(1, dataset, url, *common, "resume_from=4", "skip_steps=[[5,6]]", "max_steps=13")
     assert "rewound" not in again and "resumed from" in again
+    from train.plot import plot_runs
+
+    _, marks = plot_runs([url], str(tmp_path / "loss.png"))  # the abandoned branch read back from the store
+    assert marks == [("rewind", 4), ("abandoned", 5), ("skip", 5), ("end", 12)]

@@ -1,4 +1,5 @@
-"""Python's cyclic garbage collector paused while a dataset's index is read into objects.
+"""Used by the reader (reader/token_dataset.py) and the split check (split_check.py): Python's cyclic garbage
+collector paused while a dataset's index is read into objects.
 
 Opening a dataset makes a few Python objects per shard (the parsed index.json, streaming's shard readers): at
 27,474 shards (880 M samples of 1,025 tokens) some 800 K of them, all long-lived. Each generational collection

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 
 from tokstream.errors import CommandLine, run_cli  # noqa: E402
 from tokstream.train.metrics import run_metrics  # noqa: E402
+from tokstream.train.rewind import abandoned_records  # noqa: E402
 
 
 def plot_runs(run_dirs: list[str], out: str) -> tuple[list[str], list[tuple[str, int]]]:
@@ -82,26 +83,13 @@ def mark_relaunches_and_skips(axis, run_dir: str, records: list[dict], color: st
 
 
 def _abandoned(axis, run_dir: str, step: int, color: str) -> list[tuple[str, int]]:
-    """The loss of the branch a rewind to `step` moved aside, past `step`, faded (the newest such branch), from a
-    local run_dir or one in S3."""
-    from tokstream.object_store import S3Dataset, is_s3
-    from tokstream.train.metrics import read_records
-
-    start = f"after-{step:08d}-"
-    if is_s3(run_dir):
-        branches = sorted({key.split("/")[0] for key in S3Dataset(f"{run_dir.rstrip('/')}/abandoned").keys()
-                           if key.startswith(start) and key.endswith("/metrics.jsonl")})
-        branches = [f"{run_dir.rstrip('/')}/abandoned/{name}" for name in branches]
-    else:
-        folder = Path(run_dir) / "abandoned"
-        branches = sorted(str(path) for path in folder.glob(f"{start}*")) if folder.is_dir() else []
-    if not branches:
-        return []
-    kept = [r for r in read_records(branches[-1]) if r["step"] > step]
+    """The loss of the branch a rewind to `step` moved aside, past `step`, faded (the newest such branch)."""
+    kept = abandoned_records(run_dir, step)
     if kept:
         axis.plot([r["step"] for r in kept], [r["loss"] for r in kept], color=color, lw=1, alpha=0.3,
                   label=f"{Path(run_dir).name} abandoned at the rewind to {step}")
     return [("abandoned", kept[0]["step"])] if kept else []
+
 
 
 def mark_tokens_and_phases(axis, records: list[dict]) -> None:
@@ -120,6 +108,7 @@ def mark_tokens_and_phases(axis, records: list[dict]) -> None:
             axis.axvline(before["step"], color="gray", ls=":", lw=1)
             axis.annotate(f"phase {record['phase']}", (before["step"], 1), xycoords=("data", "axes fraction"),
                           xytext=(3, -12), textcoords="offset points", fontsize=8, color="gray")
+
 
 
 def main() -> None:

@@ -81,3 +81,20 @@ def on_branch(store: RunStore, newest: int, step: int) -> bool:
     manifest = read_manifest(store, newest) or {}
     config = (manifest.get("run") or {}).get("config") or {}
     return config.get("resume_from") == step
+
+
+def abandoned_records(run_dir: str, step: int) -> list[dict]:
+    """The metrics.jsonl lines past `step` of the branch the newest rewind to `step` moved aside (train/plot.py draws
+    them faded), from a local run_dir or one in S3; [] when there is none."""
+    from tokstream.object_store import S3Dataset, is_s3
+    from tokstream.train.metrics import read_records
+
+    start = f"after-{step:08d}-"
+    if is_s3(run_dir):
+        root = f"{run_dir.rstrip('/')}/{ABANDONED}"
+        folders = sorted(f"{root}/{key.split('/')[0]}" for key in S3Dataset(root).keys()
+                         if key.startswith(start) and key.endswith(f"/{METRICS_FILE}"))
+    else:
+        folder = Path(run_dir) / ABANDONED
+        folders = sorted(str(path) for path in folder.glob(f"{start}*")) if folder.is_dir() else []
+    return [record for record in read_records(folders[-1]) if record["step"] > step] if folders else []
