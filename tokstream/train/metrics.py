@@ -88,15 +88,18 @@ class MetricsLog:
         self.path = Path(run_dir) / METRICS_FILE
         self.enabled = enabled
 
-    def truncate_after(self, step: int) -> None:
-        """Drop lines for steps after the checkpoint we resume from: they will be trained again."""
+    def truncate_after(self, step: int) -> int:
+        """Drop lines for steps after the checkpoint we resume from: they will be trained again. The last step the
+        file held before (0 if none): what earlier launches logged."""
         if not self.enabled or not self.path.exists():
-            return
+            return 0
         # A damaged line is kept as it is (it may be all that is left of a step): the readers skip it.
-        kept = [line for line, record in _records(_read_text(self.path), self.path) if record is None or record["step"] <= step]
+        records = _records(_read_text(self.path), self.path)
+        kept = [line for line, record in records if record is None or record["step"] <= step]
         temporary = self.path.with_suffix(".tmp")
         temporary.write_text("".join(line + "\n" for line in kept))
         os.replace(temporary, self.path)
+        return max((record["step"] for _, record in records if record is not None), default=0)
 
     def last_step(self) -> int:
         """The last step this run's metrics.jsonl holds (0 if none): what earlier launches logged."""

@@ -145,12 +145,11 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
             print(f"resumed from {checkpoint_url} at step {progress.step}")
         if "streams" not in saved["loader"]:
             count_before_phases(batches, recipe, progress.step, dist.master)
-    logged_here = metrics.last_step()  # an S3 run's own lines on this node, newer than the store's copy
+    logged_here = metrics.last_step() if in_store else 0  # an S3 run's lines on this node, newer than the store's
     if in_store and dist.master:
         metrics.replace(store.read_bytes(METRICS_FILE) or b"")
         print(f"metrics: {metrics.path} (a copy goes to {store.url} with each checkpoint)")
-    logged_to = max(logged_here, metrics.last_step())
-    metrics.truncate_after(progress.step)
+    logged_to = max(logged_here, metrics.truncate_after(progress.step))
     relaunch, takeover = None, Takeover(0, logged_to > 0, None)
     if saved is not None:
         # A launch that resumes at its resume_from starts the branch: rewinding now, or again after a kill before
