@@ -318,3 +318,28 @@ def proxy(s3):
     s3.clear()
     yield s3
     s3.clear()
+
+
+# A real Slurm for the tests: Debian's slurm-wlm on 127.0.0.1, one per test process, in a folder of its own
+# (tokstream/testing/slurm_cluster.py). Where it cannot start, its tests skip; CI sets TOKSTREAM_REQUIRE_SLURM
+# (.ci/run, which installs it), so there they fail instead.
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    from tokstream.testing.slurm_cluster import SlurmCluster, missing_reason
+
+    def unavailable(reason: str):
+        if os.environ.get("TOKSTREAM_REQUIRE_SLURM"):
+            pytest.fail(f"TOKSTREAM_REQUIRE_SLURM is set, and {reason}")
+        pytest.skip(reason)
+
+    reason = missing_reason()
+    if reason:
+        unavailable(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except RuntimeError as err:
+        cluster.stop()
+        unavailable(f"the test Slurm did not start: {err}")
+    yield cluster
+    cluster.stop()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tokstream.cpu_dispatch import VARIABLE, is_zen4
+from tokstream.cpu_dispatch import FEATURE, VARIABLE, is_zen4
 
 ROOT = Path(__file__).resolve().parents[1]
 THIS_MACHINE_HAS_AVX512F = "avx512f" in Path("/proc/cpuinfo").read_text().split()
@@ -38,16 +38,17 @@ def test_zen4_is_amd_family_0x19_with_avx512(text, expected):
 
 def numpy_after(cpu: str | None, feature: str | None = None, **env: str) -> dict:
     """In a fresh interpreter: prefer_avx2_sort() given this cpuinfo (None: a machine without
-    /proc/cpuinfo) and FEATURE, if given; then numpy's AVX-512 state and the variable, as the
-    process sees them."""
+    /proc/cpuinfo) and FEATURE, if given; then whether numpy may dispatch to any AVX-512 kernel, and
+    the variable, as the process sees them."""
     script = ("import json, os, pathlib\nfrom tokstream import cpu_dispatch\n"
               + (f"cpu_dispatch.FEATURE = {feature!r}\n" if feature else "")
               + ("cpu_dispatch.CPUINFO = pathlib.Path('/nonexistent/cpuinfo')\n" if cpu is None else "")
               + f"changed = cpu_dispatch.prefer_avx2_sort({cpu!r})\n"
-              "import numpy as np\nfrom numpy._core._multiarray_umath import __cpu_features__\n"
+              "import numpy as np\nfrom numpy._core._multiarray_umath import __cpu_features__, __cpu_dispatch__\n"
               "assert np.sort(np.arange(100)[::-1])[0] == 0\n"
+              "avx512 = any(__cpu_features__[t] for t in __cpu_dispatch__ if t.startswith(('AVX512', 'X86_V4')))\n"
               f"print(json.dumps({{'changed': changed, 'variable': os.environ.get({VARIABLE!r}),"
-              " 'avx512f': __cpu_features__['AVX512F']}))\n")
+              " 'avx512f': avx512}))\n")
     clean = {name: value for name, value in os.environ.items() if name != VARIABLE}
     done = subprocess.run([sys.executable, "-c", script], env={**clean, "PYTHONPATH": str(ROOT), **env},
                           capture_output=True, text=True)
@@ -57,7 +58,7 @@ def numpy_after(cpu: str | None, feature: str | None = None, **env: str) -> dict
 
 def test_on_zen4_the_variable_is_set_before_numpy_is_imported():
     zen4 = numpy_after(ZEN4)
-    assert zen4["changed"] is True and zen4["variable"] == "AVX512F"
+    assert zen4["changed"] is True and zen4["variable"] == FEATURE
 
 
 @pytest.mark.skipif(not THIS_MACHINE_HAS_AVX512F, reason="numpy has no AVX-512 kernels to leave out on a CPU "
@@ -85,9 +86,11 @@ def test_a_variable_the_user_set_even_empty_is_left_as_it_is():
 
 
 def test_a_numpy_that_refuses_to_leave_a_feature_out_is_imported_as_it_is():
-    # SSE2 stands for AVX-512 in a numpy built to require it: every x86-64 numpy requires SSE2,
-    # and refuses (a RuntimeError on import) to leave out what it requires.
-    refused = numpy_after(ZEN4, feature="SSE2")
+    # numpy's baseline stands for AVX-512 in a numpy built to require it: numpy refuses (a RuntimeError
+    # on import) to leave out what it requires.
+    from numpy._core._multiarray_umath import __cpu_baseline__
+
+    refused = numpy_after(ZEN4, feature=__cpu_baseline__[-1])
     assert refused["changed"] is False and refused["variable"] is None
     assert refused["avx512f"] == THIS_MACHINE_HAS_AVX512F
 

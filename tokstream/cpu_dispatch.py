@@ -9,18 +9,23 @@ each epoch (the epoch order, tokstream/reader/streaming_door/epoch_order.py; ben
 
 numpy chooses its kernels once, when it is imported, from NPY_DISABLE_CPU_FEATURES. So training's
 entry point calls `prefer_avx2_sort()` before anything imports numpy, which sets the variable to
-AVX512F on Zen 4 only, and only where it is unset: set it yourself, even to nothing, to choose.
+every AVX-512 target numpy may dispatch to, on Zen 4 only, and only where it is unset: set it yourself,
+even to nothing, to choose. Every target is named: leaving out AVX512F alone left numpy 2.1's
+AVX512_SKX sort in use, and numpy 2.5 names its targets by x86-64 level (X86_V4). A name a numpy does not
+dispatch to is ignored by it.
 numpy's other AVX-512 loops then run as AVX2, which Zen 4 executes at the same width (it splits
 512-bit operations in two). Zen 5 (family 0x1A) and Intel run the AVX-512 sort fast: left alone.
 """
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 VARIABLE = "NPY_DISABLE_CPU_FEATURES"
 CPUINFO = Path("/proc/cpuinfo")
-FEATURE = "AVX512F"  # every AVX-512 kernel of numpy's requires it
+# numpy 2.0-2.4's AVX-512 targets, then 2.5's; each numpy ignores the names it does not know
+FEATURE = "AVX512F AVX512CD AVX512_KNL AVX512_KNM AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR X86_V4"
 ZEN_3_AND_4_FAMILY = 0x19  # Zen 3 has no AVX-512
 
 
@@ -28,21 +33,22 @@ def prefer_avx2_sort(cpuinfo: str | None = None) -> bool:
     """On AMD Zen 4, import numpy without its AVX-512 kernels, unless the user chose; whether it did.
 
     Call it before anything imports numpy. A numpy built to require AVX-512 refuses to leave them out
-    (a RuntimeError on import): then the variable is removed again and numpy imported as it is."""
+    (a RuntimeError on import): then numpy is left as it is."""
     if VARIABLE in os.environ or "numpy" in sys.modules:
         return False
     if not (on_zen4() if cpuinfo is None else is_zen4(cpuinfo)):
         return False
-    os.environ[VARIABLE] = FEATURE
-    try:
-        import numpy  # noqa: F401  (numpy reads the variable here, once)
-    except RuntimeError:
-        del os.environ[VARIABLE]
-        for name in [name for name in sys.modules if name == "numpy" or name.startswith("numpy.")]:
-            del sys.modules[name]
-        import numpy  # noqa: F401, F811
+    if not imports_without(FEATURE):
         return False
+    os.environ[VARIABLE] = FEATURE
     return True
+
+
+def imports_without(features: str) -> bool:
+    """Whether numpy imports with `features` left out, tried in a child process: a numpy that refuses
+    cannot be imported again in the process that tried (numpy 2.5: "cannot load module more than once")."""
+    env = {**os.environ, VARIABLE: features}
+    return subprocess.run([sys.executable, "-c", "import numpy"], env=env, capture_output=True).returncode == 0
 
 
 def on_zen4() -> bool:

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=8 train/main.py configs/gpt2-124m-owt.yaml data.remote=data/owt
     torchrun --nproc_per_node=2 train/main.py configs/tiny.yaml data.remote=demo/data run_dir=demo/run
+    srun --ntasks-per-node=8 python train/main.py ...    (Slurm: examples/slurm/train.sbatch)
 
 Relaunching the same command resumes from the newest complete checkpoint in run_dir.
 The loop is tokstream/train/trainer.py; the README's "Layout" names the file of each concern.
@@ -34,4 +35,5 @@ def main() -> int:
 
 if __name__ == "__main__":
     # SIGTERM is a preemption notice, handled by the trainer; errors are reported once, by rank 0.
-    run_cli(main, sigterm_interrupts=False, report=int(os.environ.get("RANK", 0)) == 0, interrupted=INTERRUPTED)
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # torchrun's, else srun's
+    run_cli(main, sigterm_interrupts=False, report=rank == "0", interrupted=INTERRUPTED)

@@ -1,4 +1,4 @@
-"""Who this process is in a torchrun job, on which device, and the few collectives training uses."""
+"""Who this process is in a torchrun job (or an srun step), on which device, and the few collectives training uses."""
 
 import os
 import sys
@@ -9,6 +9,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from tokstream.slurm import ranks_from_srun
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,11 @@ class Distributed:
 
     @classmethod
     def start(cls, device_setting: str) -> "Distributed":
-        """Read torchrun's environment, pick the device ("auto", "cuda" or "cpu") and join the group."""
+        """Read torchrun's environment, pick the device ("auto", "cuda" or "cpu") and join the group.
+
+        A rank that srun started without torchrun gets torchrun's variables from Slurm's first: streaming
+        and the reader read them from the environment too."""
+        os.environ.update(ranks_from_srun())
         enabled = "RANK" in os.environ
         if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent
             exit_when_orphaned()

@@ -1,0 +1,150 @@
+"""examples/slurm/ against a real Slurm (the `slurm` fixture: slurmctld, slurmd and munged on 127.0.0.1).
+
+A conversion in parts as a job array with a dependent merge, one part's task cancelled and the whole
+submitted again; preemptible training requeued by Slurm, and killed hard then resubmitted; every time the
+same bytes or the same steps as without Slurm.
+"""
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, run_script, tree_bytes
+from test_text_to_mds import ARGS, corpus_files
+from test_training import BASE, STEPS, metrics, trained_steps, wait_for
+
+from tokstream.convert.resume import PART_DONE_FILE
+from tokstream.errors import UserError
+from tokstream.slurm import array_part, ranks_from_srun, tasks_per_node
+from tokstream.testing.loopback_s3 import free_port
+
+SLURM = ROOT / "examples" / "slurm"
+
+
+def job_env(**extra: str) -> dict:
+    """What a user's shell hands sbatch: this Python first on PATH, one thread per rank."""
+    return {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", **extra}
+
+
+@pytest.mark.long
+def test_a_conversion_array_with_a_cancelled_part_submitted_again_merges_to_the_one_pass_bytes(slurm, tmp_path):
+    corpus_files(tmp_path)
+    one = run_script("convert/text_to_mds.py", tmp_path / "corpus", "--out", tmp_path / "single", *ARGS)
+    assert one.returncode == 0, one.stderr
+    out = tmp_path / "multi"
+    command = ["bash", str(SLURM / "convert.sh"), "4", str(ROOT / "convert/text_to_mds.py"), str(tmp_path / "corpus"),
+               "--out", str(out), *ARGS]
+
+    array, merge = submit(slurm, command, tmp_path)
+    # Part 2's task, cancelled as soon as it runs (a lost machine): it ends before its part is done.
+    element = f"{array}_2"
+    wait_for(lambda: slurm.job(element)["JobState"] == "RUNNING", timeout=120)
+    slurm.run("scancel", element)
+    parts = out.with_name("multi.parts")
+    states = {record["JobId"]: record["JobState"] for record in
+              [slurm.wait_for(f"{array}_{i}", {"COMPLETED", "CANCELLED", "FAILED"}) for i in range(4)]}
+    assert sorted(states.values()) == ["CANCELLED", "COMPLETED", "COMPLETED", "COMPLETED"], states
+    # The merge can never run now (afterok): Slurm cancels it, and no dataset appears.
+    assert slurm.wait_for(merge, {"CANCELLED", "COMPLETED", "FAILED"})["JobState"] == "CANCELLED"
+    assert not out.exists()
+    assert sorted(p.parent.name for p in parts.glob(f"*/{PART_DONE_FILE}")) == [
+        f"part-0000{i}-of-00004" for i in (0, 1, 3)]
+
+    _, merge = submit(slurm, command, tmp_path)  # the same command again
+    assert slurm.wait_for(merge, {"COMPLETED", "CANCELLED", "FAILED"}, timeout=300)["JobState"] == "COMPLETED", \
+        slurm.logs()
+    logs = {path.name: path.read_text() for path in tmp_path.glob("tokstream-convert-*.out")}
+    kept = [text for text in logs.values() if "already complete, kept" in text]
+    assert len(kept) == 3, logs  # parts 0, 1 and 3 were not converted again
+    assert tree_bytes(out) == tree_bytes(tmp_path / "single")
+    assert not parts.exists()
+
+
+def submit(slurm, command: list[str], cwd: Path) -> tuple[str, str]:
+    """Run examples/slurm/convert.sh; the job ids it prints (the array's, the merge's)."""
+    printed = slurm.run(*command, cwd=cwd, env={**slurm.env, **job_env()}).stdout
+    array, merge = re.fullmatch(r"parts: job (\d+) \(array 0-\d+\); merge: job (\d+)\n", printed).groups()
+    return array, merge
+
+
+def test_an_array_task_is_its_part_and_refuses_what_it_cannot_be():
+    array = {"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "0",
+             "SLURM_ARRAY_TASK_MAX": "3"}
+    assert array_part(None, array) == ("2", 4)
+    assert array_part(4, array) == ("2", 4)
+    assert array_part(None, {}) == (None, None) and array_part(3, {}) == (None, 3)
+    resubmitted = {**array, "SLURM_ARRAY_TASK_COUNT": "1", "SLURM_ARRAY_TASK_MIN": "2", "SLURM_ARRAY_TASK_MAX": "2"}
+    assert array_part(4, resubmitted) == ("2", 4)
+    with pytest.raises(UserError, match="tasks are 2-2 .1 of them., not 0-0: give --num-parts N"):
+        array_part(None, resubmitted)
+    with pytest.raises(UserError, match="Slurm array task 2 is not a part of --num-parts 2: submit --array=0-1"):
+        array_part(2, array)
+
+
+def test_srun_tasks_get_torchruns_variables_and_a_batch_script_does_not():
+    task = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "4",
+            "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "MASTER_ADDR": "gpu-001", "MASTER_PORT": "29500"}
+    assert ranks_from_srun(task) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert ranks_from_srun({**task, "RANK": "0"}) == {}  # torchrun's own variables win
+    batch_script = {k: v for k, v in task.items() if k != "SLURM_STEP_ID"}
+    assert ranks_from_srun(batch_script) == {}
+    with pytest.raises(UserError, match="every node must run the same number of ranks"):
+        ranks_from_srun({**task, "SLURM_STEP_TASKS_PER_NODE": "3,1"})
+    with pytest.raises(UserError, match="without MASTER_ADDR and MASTER_PORT: export them"):
+        ranks_from_srun({k: v for k, v in task.items() if k != "MASTER_ADDR"})
+    assert tasks_per_node("8(x3),4") == [8, 8, 8, 4]
+
+
+def submit_training(slurm, dataset: Path, run_dir: Path, log: Path) -> str:
+    """examples/slurm/train.sbatch as shipped, on 2 CPU ranks of the test node (no GPUs there)."""
+    return slurm.sbatch("--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={log}",
+                        str(SLURM / "train.sbatch"), *BASE, f"data.remote={dataset}", f"run_dir={run_dir}",
+                        cwd=ROOT, env=job_env(MASTER_PORT=str(free_port())))
+
+
+def launches(run_dir: Path) -> list[dict]:
+    """The `relaunch` record of each launch after the first (metrics.jsonl's first line of a launch)."""
+    return [record["relaunch"] for record in metrics(run_dir) if "relaunch" in record]
+
+
+@pytest.mark.long
+def test_a_preempted_job_is_requeued_by_slurm_and_resumes_exactly(slurm, reference, dataset, tmp_path):
+    run, log = tmp_path / "run", tmp_path / "job.out"
+    job = submit_training(slurm, dataset, run, log)
+    # The time limit's notice (--signal=USR1@180, sent now): the ranks save and exit 75; the script requeues.
+    wait_for(lambda: len(metrics(run)) >= 3, timeout=240)
+    slurm.run("scancel", "--signal=USR1", job)
+    slurm.eligible_now(job, restarts=1)
+    # A preemption: scontrol requeue sends SIGTERM, and Slurm requeues the job itself.
+    wait_for(lambda: len(launches(run)) == 1 and len(metrics(run)) >= launches(run)[0]["from_step"] + 3, timeout=240)
+    slurm.run("scontrol", "requeue", job)
+    slurm.eligible_now(job, restarts=2)
+    record = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    text = log.read_text()
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "2", text[-3000:]
+    assert "unfinished (exit 75): requeueing job" in text
+    # Two launches after the first, each from a step the preemption saved, inside the run. (A notice on a step
+    # the periodic checkpoint had saved already is marked "restart", not "preemption": docs/loss-spikes.md.)
+    resumed = [r["from_step"] for r in launches(run)]
+    assert len(resumed) == 2 and 0 < resumed[0] < resumed[1] < STEPS, text
+    assert trained_steps(run) == reference
+
+
+@pytest.mark.long
+def test_a_job_killed_hard_and_submitted_again_resumes_from_its_last_checkpoint(slurm, reference, dataset, tmp_path):
+    run, log = tmp_path / "run", tmp_path / "job.out"
+    job = submit_training(slurm, dataset, run, log)
+    wait_for(lambda: (run / "LATEST").exists() and len(metrics(run)) >= 6, timeout=240)
+    slurm.kill_hard(job)
+    record = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
+    assert record["JobState"] == "FAILED", log.read_text()[-3000:]
+    assert "preempted" not in log.read_text()  # no rank saw it coming
+    saved = max(int(path.name.split("-")[1].split(".")[0]) for path in run.glob("ckpt-*.manifest.json"))
+
+    again = submit_training(slurm, dataset, run, log)
+    assert slurm.wait_for(again, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=300)["JobState"] == "COMPLETED"
+    assert launches(run)[0]["from_step"] == saved > 0
+    assert trained_steps(run) == reference
