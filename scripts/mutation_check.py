@@ -219,6 +219,22 @@ MUTATIONS = [
     Mutation("logging: clipped said without clipping", "each step says whether its gradients were clipped",
              "tokstream/train/trainer.py", '"clipped": 0 < config.optim.grad_clip < grad_norm',
              '"clipped": grad_norm > 0', ("tests/test_training.py", "-k", "gradient_norm")),
+    # Issue 44: Slurm, and numpy's AVX-512 sort on Zen 4.
+    Mutation("slurm: an array task runs every part", "task I of a Slurm job array converts part I",
+             "tokstream/convert/cli.py", "args.part, args.num_parts = array_part(args.num_parts)", "pass",
+             ("tests/test_slurm.py", "-k", "conversion_array")),
+    Mutation("slurm: no requeue on 75", "a job stopped by a notice is requeued and ends COMPLETED",
+             "examples/slurm/train.sbatch", "if [[ $status -eq 75 ]]; then", "if [[ $status -eq 76 ]]; then",
+             ("tests/test_slurm.py", "-k", "preempted")),
+    Mutation("slurm: the batch script taken for a rank", "only srun's tasks are ranks",
+             "tokstream/slurm.py", '"SLURM_STEP_ID" not in environ or ', "",
+             ("tests/test_slurm.py", "-k", "srun_tasks")),
+    Mutation("zen 4: AVX512F alone left out", "numpy on Zen 4 dispatches to no AVX-512 kernel",
+             "tokstream/cpu_dispatch.py", 'FEATURE = "AVX512F AVX512CD', 'FEATURE = "AVX512F"  # "AVX512CD',
+             ("tests/test_cpu_dispatch.py",)),
+    Mutation("guard: a spike stop exits 75", "a spike stop is never requeued as a preemption",
+             "tokstream/train/trainer.py", "SPIKE_STOP_EXIT_STATUS = 65", "SPIKE_STOP_EXIT_STATUS = 75",
+             ("tests/test_loss_spikes.py", "-k", "guard_skips")),
 ]
 
 

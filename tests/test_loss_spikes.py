@@ -175,8 +175,9 @@ def check_dashboards(run_dir, branch_metrics: list[dict], stopped: int) -> None:
 def test_the_guard_skips_spikes_updates_resumes_exactly_and_its_stop_says_the_command_that_rewinds(dataset, tmp_path):
     """guard.zscore 0.3 over 16 steps (low, so that spikes come): each spike's line says its update was skipped; a run
     SIGTERMed after step 20 and relaunched judges every step as the uninterrupted run did (its window is in the
-    checkpoint): the same losses, bitwise. With guard.action stop the run ends at the first spike with exit 75 and
-    the settings that rewind and skip, which a relaunch takes."""
+    checkpoint): the same losses, bitwise. With guard.action stop the run ends at the first spike with exit 65 (not
+    75, which a scheduler would requeue into the same spike) and the settings that rewind and skip, which a relaunch
+    takes."""
     guard = ["max_steps=30", "optim.decay_steps=30", "guard.zscore=0.3", "guard.window=16", "keep_checkpoints=0"]
     train(1, dataset, tmp_path / "reference", *guard)
     reference = metrics(tmp_path / "reference")
@@ -196,7 +197,7 @@ def test_the_guard_skips_spikes_updates_resumes_exactly_and_its_stop_says_the_co
     stop_dir = tmp_path / "stopped"
     stopped = launch(1, dataset, stop_dir, *guard, "guard.action=stop", "guard.rewind=2", "guard.skip=3")
     output = stopped.communicate(timeout=300)[0]
-    assert stopped.returncode != 0 and "failed (exitcode: 75)" in output, output  # the ranks' 75, as a preemption's
+    assert stopped.returncode != 0 and "failed (exitcode: 65)" in output, output  # the ranks' EX_DATAERR
     spike = min(spikes)
     target = max(step for step in range(4, spike - 2, 4))  # checkpoints every 4 steps; at least 2 before the spike
     settings = f"resume_from={target} skip_steps=[[{spike},{spike + 2}]]"

@@ -95,6 +95,8 @@ def test_srun_tasks_get_torchruns_variables_and_a_batch_script_does_not():
         ranks_from_srun({**task, "SLURM_STEP_TASKS_PER_NODE": "3,1"})
     with pytest.raises(UserError, match="without MASTER_ADDR and MASTER_PORT: export them"):
         ranks_from_srun({k: v for k, v in task.items() if k != "MASTER_ADDR"})
+    assert ranks_from_srun({**task, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1",
+                            "MASTER_ADDR": ""}) == {}  # srun -n 1: one process, no group
     assert tasks_per_node("8(x3),4") == [8, 8, 8, 4]
 
 

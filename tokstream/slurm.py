@@ -40,12 +40,14 @@ def ranks_from_srun(environ=os.environ) -> dict[str, str]:
     if "RANK" in environ or "SLURM_STEP_ID" not in environ or "SLURM_PROCID" not in environ:
         return {}
     world = int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1")))
+    if world == 1:
+        return {}  # one process: no process group to join, as `python train/main.py` alone
     per_node = set(tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE", environ.get("SLURM_TASKS_PER_NODE",
                                                                                        str(world)))))
     if len(per_node) != 1:
         raise UserError(f"the srun step runs {environ.get('SLURM_STEP_TASKS_PER_NODE')} tasks per node: every "
                         "node must run the same number of ranks (srun --ntasks-per-node)")
-    if world > 1 and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
+    if not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
         raise UserError("srun started this rank without MASTER_ADDR and MASTER_PORT: export them in the job "
                         "script (the first node of the job and a free port; see examples/slurm/train.sbatch)")
     return {"RANK": environ["SLURM_PROCID"], "WORLD_SIZE": str(world),

@@ -345,14 +345,18 @@ def use_deterministic_kernels() -> None:
 
 # sysexits' EX_TEMPFAIL, "try again later": what a preempted rank exits with.
 PREEMPTED_EXIT_STATUS = 75
+# sysexits' EX_DATAERR: guard.action stop met a spike. Not 75: the same command would train into the same spike, and
+# a scheduler requeueing on 75 (examples/slurm/train.sbatch) would do so forever; the relaunch needs its settings.
+SPIKE_STOP_EXIT_STATUS = 65
 
 
 def run_job(config: TrainConfig) -> int:
     """The job's exit status: 0 when trained to max_steps, PREEMPTED_EXIT_STATUS after a preemption's checkpoint
     (unfinished: a scheduler should requeue it; it also makes every node's torchrun return at once instead of
-    waiting at its exit barrier for the node whose agent the notice ended)."""
+    waiting at its exit barrier for the node whose agent the notice ended), SPIKE_STOP_EXIT_STATUS at a spike
+    with guard.action stop."""
     try:
-        return 0 if train(config) else PREEMPTED_EXIT_STATUS
+        return train(config)
     except RuntimeError as err:
         if not peer_gone(err):
             raise
@@ -360,15 +364,18 @@ def run_job(config: TrainConfig) -> int:
         raise UserError("another rank of the job ended (its own line above says why): this rank stops too") from None
 
 
-def train(config: TrainConfig) -> bool:
-    """Train until max_steps (True) or a preemption notice (False, after a checkpoint)."""
+def train(config: TrainConfig) -> int:
+    """Train until max_steps (0), a preemption notice (PREEMPTED_EXIT_STATUS, after a checkpoint) or a spike that
+    guard.action stop ends the run at (SPIKE_STOP_EXIT_STATUS); the exit status."""
     run = setup(config)
     bar = progress_bar(run)
     first_step = run.progress.step
     run.model.train()
+    status = 0
     while run.progress.step < config.max_steps:
         if run.preemption.should_stop():  # collective: every rank stops at this same step
             save_on_notice(run, bar)
+            status = PREEMPTED_EXIT_STATUS
             break
         if (line := enter_phase(run, run.progress.step)) and run.dist.master:
             bar.write(line)
@@ -377,6 +384,7 @@ def train(config: TrainConfig) -> bool:
             record = train_step(run)
         except SpikeStop as spike:
             stop_at_spike(run, spike, bar)
+            status = SPIKE_STOP_EXIT_STATUS
             break
         if skipped:
             record["skipped"] = skipped
@@ -392,7 +400,7 @@ def train(config: TrainConfig) -> bool:
     run.dist.close()
     if run.lease is not None:
         run.lease.release()
-    return run.progress.step >= config.max_steps
+    return status
 
 
 class SpikeStop(Exception):
@@ -404,7 +412,7 @@ class SpikeStop(Exception):
 
 
 def stop_at_spike(run: Run, spike: SpikeStop, bar: tqdm) -> None:
-    """guard.action stop: end the run (exit 75, as a preemption: unfinished) with the command that rewinds to a
+    """guard.action stop: end the run (exit 65: unfinished, but not to be relaunched as it is) with the command that rewinds to a
     checkpoint at least guard.rewind steps before the spike and leaves out guard.skip steps' data from it on."""
     run.checkpointer.wait()
     bar.close()
