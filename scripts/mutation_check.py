@@ -221,7 +221,7 @@ MUTATIONS = [
              '"clipped": grad_norm > 0', ("tests/test_training.py", "-k", "gradient_norm")),
     # Issue 44: Slurm, and numpy's AVX-512 sort on Zen 4.
     Mutation("slurm: an array task runs every part", "task I of a Slurm job array converts part I",
-             "tokstream/convert/cli.py", "args.part, args.num_parts = array_part(args.num_parts)", "pass",
+             "tokstream/convert/cli.py", "args.part, args.num_parts = array_part(args.part, args.num_parts)", "pass",
              ("tests/test_slurm.py", "-k", "conversion_array")),
     Mutation("slurm: no requeue on 75", "a job stopped by a notice is requeued and ends COMPLETED",
              "examples/slurm/train.sbatch", "if [[ $status -eq 75 ]]; then", "if [[ $status -eq 76 ]]; then",
@@ -252,13 +252,15 @@ def scratch_copy(into: Path) -> Path:
     return copy
 
 
-def run_tests(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int, float]:
+def run_tests(copy: Path, tests: tuple[str, ...], timeout: float, show_failure: bool = False) -> tuple[int, float]:
     began = time.monotonic()
     env = dict(os.environ, PYTHONPATH=str(copy))
     try:
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *tests],
-                              cwd=copy, env=env, capture_output=True, timeout=timeout)
+                              cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
         status = done.returncode
+        if status and show_failure:
+            print("\n".join([line for line in done.stdout.splitlines() if line.startswith("E ")][:60]))
     except subprocess.TimeoutExpired:
         status = -1
     return status, time.monotonic() - began
@@ -272,7 +274,8 @@ def check(mutation: Mutation, copy: Path, timeout: float) -> tuple[str, float]:
         return f"not applied ({found} matches: the code moved; update the mutation)", 0.0
     mutated = text.replace(mutation.old, mutation.new)
     try:
-        compile(mutated, str(path), "exec")
+        if path.suffix == ".py":  # a shell script (examples/slurm/) is checked by running it
+            compile(mutated, str(path), "exec")
     except SyntaxError as err:  # a test failing on a file that does not compile proves nothing
         return f"not applied (the mutated file does not compile: {err.msg})", 0.0
     path.write_text(mutated)
@@ -304,7 +307,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="mutation-check-") as scratch:
         copy = scratch_copy(Path(scratch))
         for tests in dict.fromkeys(m.tests for m in chosen):
-            baseline, _ = run_tests(copy, tests, args.timeout)
+            baseline, _ = run_tests(copy, tests, args.timeout, show_failure=True)
             if baseline != 0:  # a test that fails unmutated proves nothing about a mutation
                 print(f"{' '.join(tests)} fails without any mutation (pytest status {baseline}): fix it first",
                       file=sys.stderr)

@@ -70,18 +70,24 @@ def submit(slurm, command: list[str], cwd: Path) -> tuple[str, str]:
     return array, merge
 
 
-def test_an_array_task_is_its_part_and_refuses_what_it_cannot_be():
+def test_an_array_task_is_its_part_where_parts_are_asked_for_and_refuses_what_it_cannot_be():
     array = {"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "0",
              "SLURM_ARRAY_TASK_MAX": "3"}
-    assert array_part(None, array) == ("2", 4)
-    assert array_part(4, array) == ("2", 4)
-    assert array_part(None, {}) == (None, None) and array_part(3, {}) == (None, 3)
+    assert array_part(None, 4, array) == ("2", 4)  # --num-parts alone: this task's part, not every part
+    assert array_part("array", None, array) == ("2", 4) and array_part("array", 8, array) == ("2", 8)
+    assert array_part(None, None, array) == (None, None)  # no parts asked for: each task its own corpus, whole
+    assert array_part("1", 4, array) == ("1", 4) and array_part("auto", 4, array) == ("auto", 4)  # said: kept
+    assert array_part(None, 3, {}) == (None, 3)
+    with pytest.raises(UserError, match="--part array reads SLURM_ARRAY_TASK_ID, and this is not a task"):
+        array_part("array", 4, {})
     resubmitted = {**array, "SLURM_ARRAY_TASK_COUNT": "1", "SLURM_ARRAY_TASK_MIN": "2", "SLURM_ARRAY_TASK_MAX": "2"}
-    assert array_part(4, resubmitted) == ("2", 4)
-    with pytest.raises(UserError, match="tasks are 2-2 .1 of them., not 0-0: give --num-parts N"):
-        array_part(None, resubmitted)
+    assert array_part(None, 4, resubmitted) == ("2", 4)
+    first_again = {**array, "SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "1", "SLURM_ARRAY_TASK_MAX": "0"}
+    for one_task in (resubmitted, first_again):  # a one-task array cannot say how many parts there are
+        with pytest.raises(UserError, match=r"\(1 of them\), not 0-N with N > 0: give --num-parts N"):
+            array_part("array", None, one_task)
     with pytest.raises(UserError, match="Slurm array task 2 is not a part of --num-parts 2: submit --array=0-1"):
-        array_part(2, array)
+        array_part(None, 2, array)
 
 
 def test_srun_tasks_get_torchruns_variables_and_a_batch_script_does_not():

@@ -12,19 +12,22 @@ import re
 from tokstream.errors import UserError
 
 
-def array_part(num_parts: int | None, environ=os.environ) -> tuple[str | None, int | None]:
-    """(part, num_parts) for a conversion in parts run as a Slurm job array, where the command line gave
-    neither --part nor --merge: task I converts part I. Without --num-parts, the array's task count is N,
-    which needs the array to be exactly 0..N-1 (a resubmitted element is a one-task array: it must say
-    --num-parts). Outside an array: (None, num_parts), unchanged."""
+def array_part(part: str | None, num_parts: int | None, environ=os.environ) -> tuple[str | None, int | None]:
+    """(part, num_parts) for a conversion in parts run as a Slurm job array: task I converts part I where the
+    command asks for parts (--num-parts N without --part: in an array, not every part in every task) or says
+    `--part array`. Without --num-parts, `--part array` takes N from the array, which must be exactly 0..N-1
+    of two tasks or more (a resubmitted element is a one-task array: it must say --num-parts). Anything else,
+    or outside an array, is returned unchanged: an array whose tasks convert corpora of their own stays so."""
     task = environ.get("SLURM_ARRAY_TASK_ID")
-    if task is None:
-        return None, num_parts
+    if part == "array" and task is None:
+        raise UserError("--part array reads SLURM_ARRAY_TASK_ID, and this is not a task of a Slurm job array")
+    if task is None or not (part == "array" or (part is None and num_parts is not None)):
+        return part, num_parts
     if num_parts is None:
         count, first, last = (int(environ.get(name, -1)) for name in
                               ("SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX"))
-        if not (first == 0 and last == count - 1):
-            raise UserError(f"this Slurm array's tasks are {first}-{last} ({count} of them), not 0-{count - 1}: "
+        if count < 2 or not (first == 0 and last == count - 1):
+            raise UserError(f"this Slurm array's tasks are {first}-{last} ({count} of them), not 0-N with N > 0: "
                             "give --num-parts N, and task I converts part I of N")
         num_parts = count
     if not 0 <= int(task) < num_parts:

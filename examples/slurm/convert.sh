@@ -20,5 +20,5 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 array=$(sbatch --parsable --array="0-$((parts - 1))" --job-name=tokstream-convert "$here/convert.sbatch" \
         "$@" --num-parts "$parts")
 merge=$(sbatch --parsable --dependency="afterok:${array%%;*}" --kill-on-invalid-dep=yes \
-        --job-name=tokstream-merge "$here/convert.sbatch" "$@" --num-parts "$parts" --merge)
+        --job-name=tokstream-merge --output=%x-%j.out "$here/convert.sbatch" "$@" --num-parts "$parts" --merge)
 echo "parts: job ${array%%;*} (array 0-$((parts - 1))); merge: job ${merge%%;*}"

@@ -118,8 +118,9 @@ def add_parts_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-parts", type=int, default=None,
                        help="split the input files into N parts; alone: run every unfinished part, then merge")
     group.add_argument("--part", default=None,
-                       help="run only part I (0-based) of --num-parts; 'auto' reads RANK or SLURM_PROCID; in a "
-                       "Slurm job array, I is SLURM_ARRAY_TASK_ID (and N the array's size without --num-parts)")
+                       help="run only part I (0-based) of --num-parts; 'auto' reads RANK or SLURM_PROCID; 'array' "
+                       "reads SLURM_ARRAY_TASK_ID (and N, without --num-parts, the array's size); in a Slurm job "
+                       "array, --num-parts alone means --part array")
     group.add_argument("--merge", action="store_true", help="join the finished parts into --out")
 
 
@@ -128,9 +129,10 @@ def run_text_conversion(args: argparse.Namespace, inputs: list[str], source_kwar
     """The body of every text converter's main(): options from the command line, then the core."""
     started = time.monotonic()
     options = text_options(args)
-    if args.part is None and not args.merge:  # a Slurm array's task I converts part I
-        args.part, args.num_parts = array_part(args.num_parts)
-        if args.part is not None:
+    if not args.merge:  # a Slurm array's task I converts part I
+        asked = args.part
+        args.part, args.num_parts = array_part(args.part, args.num_parts)
+        if args.part != asked:
             print(f"Slurm array task {args.part}: part {args.part} of {args.num_parts}", flush=True)
     if args.part is None:  # a part is written under --staging, for the merge to upload
         check_s3_output(args.out)

@@ -47,6 +47,7 @@ class SlurmCluster:
         os.chmod(self.root / "munge", 0o700)  # munged refuses a socket folder others can write
         self.munge_socket = self.root / "munge" / "munge.socket"
         self.conf = self.root / "etc" / "slurm.conf"
+        self.kill_wait_s, self.first_job_id = kill_wait_s, first_job_id
         self.conf.write_text(self._config(kill_wait_s, first_job_id))
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         for name in [name for name in self.env if name.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))]:
@@ -97,7 +98,21 @@ class SlurmCluster:
             "",
         ])
 
-    def start(self, timeout: float = 60) -> "SlurmCluster":
+    def start(self, timeout: float = 60, attempts: int = 3) -> "SlurmCluster":
+        """Start the daemons; a port another process took between free_port() and slurmctld's bind is drawn
+        again (a new config), up to `attempts` times."""
+        for attempt in range(attempts):
+            try:
+                return self._start(timeout)
+            except RuntimeError as err:
+                self.stop()
+                if "Address already in use" not in str(err) or attempt == attempts - 1:
+                    raise
+                self.conf.write_text(self._config(self.kill_wait_s, self.first_job_id))
+                self.processes.clear()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> "SlurmCluster":
         key = self.root / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o600)
@@ -182,20 +197,24 @@ class SlurmCluster:
             time.sleep(0.5)
 
     def eligible_now(self, job_id: str, restarts: int, timeout: float = 180) -> None:
-        """Until Slurm has requeued `job_id` for the `restarts`-th time and started it again, letting it
-        start at once: Slurm holds a requeued job about two minutes (its begin time) before it may run."""
+        """Until Slurm has requeued `job_id` for the `restarts`-th time and started it again, moving its begin
+        time to two seconds from now: Slurm holds a requeued job about two minutes. Not to now: a job started
+        in the second its previous launch's credential was revoked is killed ("Job credential revoked")."""
         deadline = time.monotonic() + timeout
+        moved = -float("inf")
         while True:
             record = self.job(job_id)
             if int(record.get("Restarts", 0)) >= restarts:
                 if record["JobState"] in ("RUNNING", "COMPLETED"):
                     return
-                if record["JobState"] == "PENDING" and record.get("Reason") == "BeginTime":
-                    self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+                held = record["JobState"] == "PENDING" and record.get("Reason") == "BeginTime"
+                if held and time.monotonic() - moved > 10:  # once, and again if the requeue set it later
+                    self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now+2", check=False)
+                    moved = time.monotonic()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} not started again after {restarts} requeues: {record}\n"
                                    + self.logs())
-            time.sleep(0.2)
+            time.sleep(0.5)
 
     def kill_hard(self, job_id: str) -> None:
         """SIGKILL to every process of the job at once, as a lost node or the OOM killer ends it: nothing it runs

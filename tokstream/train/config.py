@@ -49,7 +49,7 @@ class GuardConfig:
 
     zscore: float = 0.0  # a step this many standard deviations above the window's loss or gradient norm; 0: off
     window: int = 128  # steps
-    action: str = "skip"  # skip: its update is not applied; stop: exit 75 with the command that rewinds and skips
+    action: str = "skip"  # skip: its update is not applied; stop: exit 65 with the command that rewinds and skips
     rewind: int = 100  # stop: the command resumes from a checkpoint at least this many steps before the spike
     skip: int = 200  # stop: and leaves out this many steps' data from the spike on
 
@@ -352,7 +352,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     check_ranges(config)
     check_skips(config.skip_steps)
     if config.guard.action not in ("skip", "stop"):
-        raise UserError(f"guard.action must be skip (the spike's update is not applied) or stop (exit 75 with the "
+        raise UserError(f"guard.action must be skip (the spike's update is not applied) or stop (exit 65 with the "
                         f"command that rewinds and skips), got {config.guard.action!r}")
     first = config.phases[0].data if config.phases else config.data
     if not (config.data.remote or config.data.streams or first.remote or first.streams):
