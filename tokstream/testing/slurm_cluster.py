@@ -170,12 +170,7 @@ class SlurmCluster:
 
     def job(self, job_id: str) -> dict[str, str]:
         """scontrol's fields of one job (the first record: an array's first element if given the array)."""
-        text = self.run("scontrol", "-o", "show", "job", job_id).stdout.splitlines()[0]
-        fields = {}
-        for item in text.split():
-            key, _, value = item.partition("=")
-            fields[key] = value
-        return fields
+        return self.jobs(job_id)[0]
 
     def jobs(self, job_id: str) -> list[dict[str, str]]:
         """scontrol's fields of a job or of each element of an array."""
