@@ -1,5 +1,5 @@
-"""The lazy order (data.shuffle_algo: feistel_window) end to end: what a worker reads is its part of the epoch's
-order (tokstream/reader/lazy_order.py), every step's global batch is the same on any world size, micro-batch and
+"""The lazy order (data.shuffle_algo: lazy) end to end: what a worker reads is its part of the epoch's
+order (tokstream/reader/order/lazy.py), every step's global batch is the same on any world size, micro-batch and
 worker count, an epoch holds each source's count, and a reader resumed mid-epoch goes on with the very samples."""
 
 import numpy as np
@@ -7,8 +7,8 @@ import pytest
 from test_training import tiny_splits
 
 from tokstream.reader import BatchPlan, DataConfig, SampleOrder, StreamConfig, TrainBatches, open_dataset
-from tokstream.reader.lazy_order import LazyEpochOrder
-from tokstream.reader.lazy_shuffle import NAME
+from tokstream.reader.order.feistel_window import FeistelWindowOrder
+from tokstream.reader.order.lazy import NAME, EpochOrder
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +34,14 @@ def read(config: DataConfig, plan: BatchPlan, micro_batches: int, state: dict | 
 def test_an_epoch_of_the_lazy_order_holds_each_sources_count_once_each_and_differs_by_epoch():
     sizes, streams, chooses = np.array([30, 0, 25, 40, 17]), [3, 2], [100, 20]  # a source repeated, one drawn from
     for epoch in range(3):
-        order = LazyEpochOrder(sizes, streams, chooses, 9176, epoch, 2, 16)
+        order = EpochOrder(sizes, streams, chooses, 9176, epoch, 2, 16)
         ids = order.at(np.arange(order.epoch_size))
         assert order.epoch_size == 120
         first = ids[ids < 55]
         assert len(first) == 100 and np.bincount(first, minlength=55).min() >= 1  # 55 samples, 100 drawn: 1 or 2 each
         second = ids[ids >= 55]
         assert len(second) == 20 and len(set(second.tolist())) == 20 and second.max() < 112  # 20 of 57, no repeat
-    other = LazyEpochOrder(sizes, streams, chooses, 9176, 1, 2, 16).at(np.arange(120))
+    other = EpochOrder(sizes, streams, chooses, 9176, 1, 2, 16).at(np.arange(120))
     assert not np.array_equal(ids, other)
 
 
@@ -76,13 +76,13 @@ def test_a_reader_resumed_mid_epoch_and_at_an_epoch_end_goes_on_with_the_same_sa
 
 
 def test_one_rank_reads_the_epochs_lazy_order_itself_not_stocks_resampling(mixture):
-    """One rank, one worker: the partition is the order itself, so the reader's ids are LazyEpochOrder's, position by
+    """One rank, one worker: the partition is the order itself, so the reader's ids are EpochOrder's, position by
     position (stock's resampling would draw other samples of the sources it draws from)."""
     batches = TrainBatches(open_dataset(mixture), BatchPlan(8, 8, 1))
     stock = batches.loader.dataset
     epoch = sum(batches.epoch_samples)
     ids = np.concatenate([next(batches)["ids"].numpy() for _ in range(epoch // 8)])
-    order = LazyEpochOrder(stock.samples_per_shard, list(stock.shards_per_stream), [s.choose for s in stock.streams],
+    order = EpochOrder(stock.samples_per_shard, list(stock.shards_per_stream), [s.choose for s in stock.streams],
                            stock.shuffle_seed, 0, stock.num_canonical_nodes, stock.shuffle_block_size)
     assert ids.tolist() == order.at(np.arange(epoch)).tolist()
     batches.close()
@@ -103,7 +103,7 @@ def test_training_in_the_lazy_order_resumes_exactly_after_sigterm_sigkill_and_on
     from tokstream.train.checkpoint_files import latest_step
     from tokstream.train.run_store import LocalRunStore
 
-    lazy = ["data.shuffle_algo=feistel_window", "data.shuffle_block_size=64"]
+    lazy = ["data.shuffle_algo=lazy", "data.shuffle_block_size=64"]
     train(2, dataset, tmp_path / "reference", *lazy)
     reference = metrics(tmp_path / "reference")
     run_dir, store = tmp_path / "interrupted", LocalRunStore(str(tmp_path / "interrupted"))
@@ -129,8 +129,8 @@ def test_training_in_the_lazy_order_resumes_exactly_after_sigterm_sigkill_and_on
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-3), got["step"]
 
 
-def test_the_lazy_order_is_the_one_runs_were_trained_in():
-    """Pinned values: a run's checkpoints resume in the order they were trained in only if the lazy order never
+def test_the_first_lazy_order_is_the_one_runs_were_trained_in():
+    """Pinned values of feistel_window, kept for the runs read in it: a run's checkpoints resume in the order they were trained in only if the lazy order never
     changes from one version of the project to the next (a faster computation must give the very same ids). A
     mixture with an empty shard in each source, one source whole and one repeated and drawn from, 3 canonical nodes,
     windows of 16."""
@@ -140,8 +140,40 @@ def test_the_lazy_order_is_the_one_runs_were_trained_in():
     pinned = {0: ([74, 78, 73, 70, 69, 65, 77, 66, 71, 80, 68, 72], "5792bcc768025f593842cd697517d669"),
               1: ([73, 69, 0, 70, 72, 3, 66, 1, 75, 65, 74, 67], "b08088e9a0f75e5a98a537972284b365")}
     for epoch, (first, digest) in pinned.items():
-        order = LazyEpochOrder(sizes, [7, 4], [None, 150], seed=1234, epoch=epoch, num_canonical_nodes=3,
+        order = FeistelWindowOrder(sizes, [7, 4], [None, 150], seed=1234, epoch=epoch, num_canonical_nodes=3,
                                block_size=16)
         ids = order.at(np.arange(order.epoch_size))
         assert order.epoch_size == 227 and ids[:12].tolist() == first
         assert hashlib.sha256(ids.astype("<i8").tobytes()).hexdigest()[:32] == digest
+
+
+def test_a_reader_state_made_before_the_lazy_order_changed_resumes_in_the_order_it_was_read_in(tmp_path):
+    """tests/states_from_before/lazy_order_v1.json was written by the code of stop 49, when `auto` chose feistel_window
+    at this size: a reader state after 7 micro-batches, and the 40 micro-batches read after it (three epochs, partial
+    repeats drawn). Today `auto` chooses the lazy order; a reader loading that state reads in feistel_window, sample
+    for sample as it then did, and says so in its own state. A fresh reader reads in the lazy order."""
+    import json
+    from pathlib import Path
+
+    recorded = json.loads((Path(__file__).parent / "states_from_before" / "lazy_order_v1.json").read_text())
+    (tmp_path / "web").mkdir()
+    (tmp_path / "books").mkdir()
+    web = tiny_splits(tmp_path / "web", 90, 8, seed=0)
+    books = tiny_splits(tmp_path / "books", 61, 8, seed=1)
+    configs = {"single": DataConfig(remote=str(web), lazy_order_from=1, shuffle_block_size=16),
+               "mixture": DataConfig(streams=[StreamConfig(remote=str(web), name="web", proportion=0.7),
+                                              StreamConfig(remote=str(books), name="books", proportion=0.3)],
+                                     lazy_order_from=1, shuffle_block_size=16)}
+    for name, config in configs.items():
+        state = recorded[name]["state"]
+        assert state["shuffle_algo"] == "feistel_window"
+        # The same samples, but the identity hashes metadata.json, which names the token files' folder (another here).
+        fresh = TrainBatches(open_dataset(config), BatchPlan(8, 4, 1))
+        state["dataset_identity"] = fresh.state_dict()["dataset_identity"]
+        fresh.close()
+        after, resumed = read(config, BatchPlan(8, 4, 1), len(recorded[name]["after"]), state)
+        assert after == recorded[name]["after"], name
+        assert resumed["shuffle_algo"] == "feistel_window"
+        fresh = TrainBatches(open_dataset(config), BatchPlan(8, 4, 1))
+        assert fresh.state_dict()["shuffle_algo"] == NAME
+        fresh.close()

@@ -1,4 +1,4 @@
-"""tokstream/reader/lazy_partition.py against stock streaming's own `get_partitions("orig", ...)`: the same ids at
+"""tokstream/reader/order/partition.py against stock streaming's own `get_partitions("orig", ...)`: the same ids at
 every node, rank, worker and position, on thousands of configurations (samples, canonical and physical nodes,
 ranks, workers, batch sizes, samples dropped), the configurations stock refuses refused too."""
 
@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
-from tokstream.reader.lazy_partition import Partition
+from tokstream.reader.order.partition import Partition
 from tokstream.reader.streaming_door.streaming_internals import get_partitions  # stock streaming's own
 
 
@@ -80,7 +80,7 @@ def test_a_ranks_ids_are_computed_without_the_epoch():
 def test_the_relaxed_partition_after_a_change_of_nodes_is_stocks():
     """`relaxed` (streaming's default) deals the initial nodes' orig partition out to today's nodes at the same global
     batch when the node counts no longer divide each other; otherwise it is orig."""
-    from tokstream.reader.lazy_partition import RelaxedPartition
+    from tokstream.reader.order.partition import RelaxedPartition
 
     rng = np.random.default_rng(7)
     checked = dealt_again = 0

@@ -1,11 +1,11 @@
-"""tokstream/reader/lazy_shuffle.py: a shuffle computed where it is read (O(1) per position): a permutation of every
+"""tokstream/reader/order/feistel_window.py, the first lazy order: a shuffle computed where it is read (O(1) per position): a permutation of every
 epoch, the same at any position as in the whole array, keeping streaming's assignment of shards to canonical nodes,
 and read by stock StreamingDataset once registered (every sample once an epoch)."""
 
 import numpy as np
 import pytest
 
-from tokstream.reader.lazy_shuffle import NAME, WindowShuffle, get_shuffle_feistel_window
+from tokstream.reader.order.feistel_window import NAME, WindowShuffle, divide_spans, get_shuffle_feistel_window
 from tokstream.reader.streaming_door.streaming_internals import get_shuffle  # stock streaming's own
 
 
@@ -68,3 +68,18 @@ def test_stock_streaming_reads_every_sample_once_an_epoch_in_this_order(tmp_path
     sizes = loader.dataset.samples_per_shard
     assert read.tolist() == get_shuffle_feistel_window(sizes, 1, 9176, 0, 16).tolist()  # one rank: the order itself
     loader.dataset.release_shared_memory()
+
+
+def test_the_cut_at_canonical_nodes_is_streamings_own():
+    """feistel_window cuts its spans as streaming's divide_spans does (empty shards included: they move the epoch's
+    draws), without importing it: the order package imports none of streaming."""
+    from tokstream.reader.streaming_door.streaming_internals import divide_spans as stock_divide_spans
+
+    rng = np.random.default_rng(5)
+    for _ in range(2000):
+        sizes = rng.integers(0, 40, int(rng.integers(1, 30))) * rng.integers(0, 2, 1)[0] + rng.integers(0, 3, 1)[0]
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        spans = [(int(a), int(a + s)) for a, s in zip(starts, sizes)]
+        rng.shuffle(spans)
+        n, parts = int(sizes.sum()), int(rng.integers(1, 12))
+        assert divide_spans(list(spans), n, parts) == stock_divide_spans(list(spans), n, parts), (spans, parts)

@@ -18,7 +18,7 @@ from test_training import tiny_splits
 
 from tokstream.errors import UserError
 from tokstream.reader import BatchPlan, DataConfig, SampleOrder, StreamConfig, TrainBatches, open_dataset
-from tokstream.reader.lazy_shuffle import NAME
+from tokstream.reader.order.lazy import NAME
 from tokstream.reader.streaming_door import order_files
 
 

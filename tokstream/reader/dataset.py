@@ -189,7 +189,7 @@ def algo_for_size(config: DataConfig, split_samples: list[int]) -> str:
     """`auto`'s choice: streaming's py1e (its own order, kept as files when data.order_dir is set) below
     data.lazy_order_from samples in the train split, where computing it costs a node a second or so an epoch; the
     lazy order from there on, whose start-up does not grow with the data (docs/scale.md)."""
-    from tokstream.reader.lazy_shuffle import NAME
+    from tokstream.reader.order.lazy import NAME
 
     return NAME if sum(split_samples) >= config.lazy_order_from else OLD_DEFAULT_ALGO
 

@@ -6,7 +6,7 @@ or replaces its module attributes, lives in this package and nowhere else (tests
   names (CHECKED_VERSIONS); WindowedDownloadAhead, the StreamingDataset the reader's dataset extends.
 - epoch_order.py, lean_spanner.py, lean_readers.py, prefix_registration.py: equal, faster replacements for
   streaming's epoch order, sample-to-shard lookup, per-shard readers and shared-memory numbering; install() also registers the project's
-  own shuffle (tokstream/reader/lazy_shuffle.py) under its name, beside stock's.
+  own lazy orders (tokstream/reader/order/) under their names, beside stock's shuffles.
 
 Importing any of it changes nothing in streaming. `install()` puts the replacements in place, for
 every StreamingDataset built after it in this process; the reader's TokenDataset calls it. A process
@@ -31,8 +31,9 @@ def install() -> None:
                                   epoch_order.generate_work_random)
     internals.install_spanner(lean_spanner.LeanSpanner)
     internals.install_reader_from_json(lean_readers.reader_from_json)
-    from tokstream.reader import lazy_shuffle
+    from tokstream.reader.order import LAZY_ORDERS, whole_epoch
 
-    internals.install_shuffle(lazy_shuffle.NAME, lazy_shuffle.get_shuffle_feistel_window)
+    for name in LAZY_ORDERS:
+        internals.install_shuffle(name, whole_epoch(name))
     internals.install_prefix_registration(prefix_registration.get_shm_prefix_claimed)
     internals.install_file_lock()

@@ -92,9 +92,10 @@ class OrderInputs:
 def kept_as_files(dataset) -> bool:
     """Whether the dataset reads its epochs' orders from files: an order_dir, one of streaming's own shuffles (the
     lazy order computes its own), random batching, orig or relaxed partition, no replication, stock's resampling."""
-    from tokstream.reader.lazy_shuffle import NAME
+    from tokstream.reader.order import LAZY_ORDERS
 
-    return (bool(getattr(dataset, ORDER_DIR_ATTRIBUTE, None)) and bool(dataset.shuffle) and dataset.shuffle_algo != NAME
+    return (bool(getattr(dataset, ORDER_DIR_ATTRIBUTE, None)) and bool(dataset.shuffle)
+            and dataset.shuffle_algo not in LAZY_ORDERS
             and dataset.batching_method == "random" and dataset.partition_algo in ("orig", "relaxed")
             and not dataset.replication
             and type(dataset).resample_streams is internals.StreamingDataset.resample_streams)  # its inputs say it all

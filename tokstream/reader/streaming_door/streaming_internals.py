@@ -133,9 +133,9 @@ def install_epoch_order(get_sampling, get_shuffle_py1e, generate_work_random) ->
 
 def shuffle_names() -> list[str]:
     """The shuffle algorithms streaming knows (data.shuffle_algo), the project's own included."""
-    from tokstream.reader.lazy_shuffle import NAME
+    from tokstream.reader.order import LAZY_ORDERS
 
-    return sorted({*streaming_shuffle_module.algos, NAME})
+    return sorted({*streaming_shuffle_module.algos, *LAZY_ORDERS})
 
 
 def install_shuffle(name: str, get_shuffle_function) -> None:
@@ -569,9 +569,9 @@ def make_room(dataset: StreamingDataset, shard_id: int) -> None:
 def in_lazy_order(dataset: StreamingDataset) -> bool:
     """Whether the dataset reads in the project's lazy order: its shuffle, with streaming's random batching, orig or
     relaxed partition, balanced sampling and no replication."""
-    from tokstream.reader.lazy_shuffle import NAME
+    from tokstream.reader.order import LAZY_ORDERS
 
-    return (bool(dataset.shuffle) and dataset.shuffle_algo == NAME and dataset.batching_method == "random"
+    return (bool(dataset.shuffle) and dataset.shuffle_algo in LAZY_ORDERS and dataset.batching_method == "random"
             and dataset.partition_algo in ("orig", "relaxed") and dataset.sampling_method == "balanced"
             and not dataset.replication)
 
@@ -581,7 +581,8 @@ def worker_ids(dataset: StreamingDataset, nodes: int, ranks_per_node: int, worke
     """For a dataset in the lazy order or with its orders kept as files: each (node, rank, worker)'s ids of the epoch
     from sample_in_epoch on, as streaming would hand them out, each slice computed when read (lazy_order.py). `say`:
     whether this process warns of an order file it cannot write (a node's first worker does)."""
-    from tokstream.reader.lazy_order import LazyEpochOrder, LazyWorkerIds, lazy_partition
+    from tokstream.reader.order import lazy_epoch_order
+    from tokstream.reader.order.partition import WorkerIds, lazy_partition
     from tokstream.reader.streaming_door import order_files
 
     # The last epoch's order is kept: the ledger asks step after step of one epoch, and its set-up is O(shards).
@@ -592,7 +593,7 @@ def worker_ids(dataset: StreamingDataset, nodes: int, ranks_per_node: int, worke
     if kept is not None and kept[0] == settings:
         order = kept[1]
     elif in_lazy_order(dataset):
-        order = LazyEpochOrder(dataset.samples_per_shard, list(dataset.shards_per_stream),
+        order = lazy_epoch_order(dataset.shuffle_algo, dataset.samples_per_shard, list(dataset.shards_per_stream),
                                [stream.choose for stream in dataset.streams], dataset.shuffle_seed, epoch,
                                dataset.num_canonical_nodes, dataset.shuffle_block_size)
     else:
@@ -601,7 +602,7 @@ def worker_ids(dataset: StreamingDataset, nodes: int, ranks_per_node: int, worke
     partition = lazy_partition(dataset.partition_algo, dataset.epoch_size, dataset.num_canonical_nodes, nodes,
                                ranks_per_node, workers_per_rank, dataset.batch_size, sample_in_epoch,
                                dataset.initial_physical_nodes)
-    return [LazyWorkerIds(order, partition, node, rank, worker) for node, rank, worker in workers]
+    return [WorkerIds(order, partition, node, rank, worker) for node, rank, worker in workers]
 
 
 def rank_orders(dataset: StreamingDataset, nodes: int, ranks_per_node: int, epoch: int,

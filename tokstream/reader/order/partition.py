@@ -200,3 +200,42 @@ def full_array(partition: Partition | RelaxedPartition) -> np.ndarray:
             for worker in range(workers):
                 out[node, rank, worker] = partition.ids(node, rank, worker).reshape(batches, batch)
     return out
+
+
+class WorkerIds:
+    """A worker's part of an epoch from sample_in_epoch on, as streaming hands a worker its work (its sample ids, -1
+    where streaming pads), each slice computed when asked for: `len()` and `[start:stop]` are all that the door's
+    download-ahead threads and yield loop use."""
+
+    def __init__(self, order, partition: Partition | RelaxedPartition, node: int, rank: int,
+                 worker: int):
+        self.order, self.partition = order, partition
+        self.node, self.rank, self.worker = node, rank, worker
+        shape = partition.shape
+        self.length = shape[3] * shape[4]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("a lazy worker's ids are read a range at a time")
+        start, stop, _ = key.indices(self.length)
+        positions = self.partition.ids(self.node, self.rank, self.worker, np.arange(start, max(start, stop)))
+        ids = np.full(positions.shape, -1, np.int64)
+        read = positions >= 0
+        ids[read] = self.order.at(positions[read])
+        return ids
+
+
+def lazy_partition(algo: str, epoch_size: int, num_canonical_nodes: int, nodes: int, ranks_per_node: int,
+                   workers_per_rank: int, batch_size: int, sample_in_epoch: int,
+                   initial_physical_nodes: int | None) -> Partition | RelaxedPartition:
+    """Streaming's partition `algo` (orig or relaxed) in closed form."""
+    if algo == "orig":
+        return Partition(epoch_size, num_canonical_nodes, nodes, ranks_per_node, workers_per_rank, batch_size,
+                         sample_in_epoch)
+    if algo == "relaxed":
+        return RelaxedPartition(epoch_size, num_canonical_nodes, nodes, ranks_per_node, workers_per_rank, batch_size,
+                                sample_in_epoch, initial_physical_nodes)
+    raise ValueError(f"the lazy order takes streaming's orig or relaxed partition, not {algo!r}")
