@@ -117,18 +117,70 @@ def test_a_dead_builders_partial_file_is_removed_and_no_other(mixture, tmp_path)
     assert partials["live"] in left and partials["other host"] in left and partials["other host, dotted"] in left
 
 
-def test_a_file_under_an_epochs_name_that_is_not_its_order_is_refused_in_one_line(mixture, tmp_path):
+def damage(path, how: str) -> None:
+    """An epoch's file changed as a disk, a hand or another job might: its mapped ids edited in place."""
+    ids = np.load(path, mmap_mode="r+")
+    if how == "halves swapped":
+        half = len(ids) // 2
+        ids[:2 * half] = np.concatenate([ids[half:2 * half], ids[:half]])
+    elif how == "five ids overwritten":
+        ids[3:8] = ids[10:15]
+    elif how == "an id out of range":
+        ids[7] = np.iinfo(ids.dtype).max
+    ids.flush()
+    del ids
+    if how == "cut short":
+        os.truncate(path, os.path.getsize(path) - 1)
+    elif how == "another shape":
+        np.save(path, np.arange(10, dtype=np.uint32))
+
+
+@pytest.mark.parametrize("how", ["halves swapped", "five ids overwritten", "an id out of range", "cut short",
+                                 "another shape"])
+def test_a_damaged_order_file_is_rebuilt_with_one_line_naming_it_and_never_read(mixture, tmp_path, how):
+    """Every file ends with a checksum of its ids, checked (with every id's range) before any process reads it: a
+    relaunch after the file changed reads exactly what it would have read without files, and says which file it
+    rebuilt; train/build_orders.py's path (build_order_files) checks the files it finds alike."""
     directory = tmp_path / "orders"
     files = dataclasses.replace(mixture, order_dir=str(directory))
-    read(files, BatchPlan(8, 2, 1), 1)
+    epoch = sum(open_dataset(mixture).epoch_samples(BatchPlan(8, 1, 1))) // 8
+    want, _ = read(mixture, BatchPlan(8, 8, 1), epoch)
+    read(files, BatchPlan(8, 8, 1), 1)
     name = epoch_files(directory)[0]
-    np.save(directory / name, np.arange(10, dtype=np.uint32))
-    with pytest.raises(UserError, match=f"{name} holds .*not an epoch order of .* remove it"):
-        order = SampleOrder(open_dataset(files), 8)
-        try:
-            order.steps(0, 1)
-        finally:
-            order.close()
+    damage(directory / name, how)
+    with pytest.warns(UserWarning, match=f"{name} .*building it again"):
+        got, _ = read(files, BatchPlan(8, 8, 1), epoch)
+    assert got == want
+    damage(directory / name, how)
+    order = SampleOrder(open_dataset(files), 8)
+    try:
+        with pytest.warns(UserWarning, match=f"{name} .*building it again"):
+            assert order.build_order_files(range(1)) == [str(directory / name)]
+        assert order_files.problem_with(directory / name, order_files.OrderInputs.of(order._loader.dataset)) is None
+    finally:
+        order.close()
+
+
+def test_a_damaged_order_file_that_cannot_be_rebuilt_is_computed_in_memory_with_one_line(mixture, tmp_path,
+                                                                                         monkeypatch):
+    """The disk full when the file is found damaged (its free space read as none: a real full disk is
+    test_an_order_dir_without_room's): the reader says the file is damaged and that it computes the order in memory,
+    and reads exactly the order."""
+    directory = tmp_path / "orders"
+    files = dataclasses.replace(mixture, order_dir=str(directory))
+    epoch = sum(open_dataset(mixture).epoch_samples(BatchPlan(8, 1, 1))) // 8
+    want, _ = read(mixture, BatchPlan(8, 8, 1), epoch)
+    read(files, BatchPlan(8, 8, 1), 1)
+    name = epoch_files(directory)[0]
+    damage(directory / name, "halves swapped")
+    full = order_files.shutil.disk_usage(directory)._replace(free=0)
+    monkeypatch.setattr(order_files.shutil, "disk_usage", lambda path: full)
+    with pytest.warns(UserWarning) as said:
+        got, _ = read(files, BatchPlan(8, 8, 1), epoch)
+    assert got == want
+    lines = [str(w.message) for w in said]
+    assert any(name in line and "building it again" in line for line in lines)
+    assert any("computes it in memory" in line for line in lines)
 
 
 def test_builders_racing_for_one_epoch_build_it_once(mixture, tmp_path):

@@ -9,7 +9,9 @@ next one's file is built by a process of its own, so an epoch's end waits for no
 
 The invariant: a file under an epoch's final name holds that epoch's whole order, for exactly the settings its name's
 digest covers (the shards' sizes, the streams' draws, sampling, shuffle, seed, canonical nodes, block). It is written
-under a partial name and renamed once complete and synced. A build that died leaves only its partial file, named
+under a partial name and renamed once complete and synced, and it ends with a checksum of its ids written as they were
+computed: every process checks it (and that every id is a sample of the dataset) before it reads the file, so a file
+damaged, edited or swapped since is rebuilt, with one line naming it, never read. A build that died leaves only its partial file, named
 for its host, its pid and that process's start time; a later build removes it only when that process is provably
 gone (same host, and no process with that pid and start time).
 """
@@ -28,12 +30,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import xxhash
 from filelock import FileLock, Timeout
 
 from tokstream.errors import UserError
 from tokstream.reader.streaming_door import streaming_internals as internals
 
-FORMAT = 1
+FORMAT = 2  # 2: a checksum after the ids
+# After the array: this tag and the xxh3-128 digest of the array's bytes (np.load maps the array and ignores them).
+CHECKSUM_TAG = b"tokstream-order\0"
+CHECKSUM_BYTES = len(CHECKSUM_TAG) + 16
 # Where a dataset keeps its orders' files (data.order_dir); None: streaming's in-memory orders.
 ORDER_DIR_ATTRIBUTE = "order_dir"
 
@@ -109,14 +115,14 @@ class OrderFile:
     """An epoch's order from its file: the sample at each position, read from the mapped file."""
 
     def __init__(self, path: Path, epoch_size: int):
-        try:
+        try:  # checked by build() in this launch before any process maps it
             self.ids = np.load(path, mmap_mode="r")
         except (OSError, ValueError) as err:
             raise UserError(f"{path} is not an epoch order this project wrote ({err}): remove it, and it is built "
                             "again") from None
-        if self.ids.shape != (epoch_size,) or self.ids.dtype not in (np.uint32, np.int64):
-            raise UserError(f"{path} holds {self.ids.shape} {self.ids.dtype}, not an epoch order of {epoch_size} "
-                            "samples this project wrote: remove it, and it is built again")
+        if self.ids.shape != (epoch_size,):
+            raise UserError(f"{path} changed while this run read it (it holds {self.ids.shape}, not an epoch order "
+                            f"of {epoch_size} samples): remove it, and it is built again")
         self.path, self.epoch_size = path, epoch_size
 
     def __reduce__(self):  # mapped again where it is unpickled, not copied whole into the pickle
@@ -173,10 +179,10 @@ def _reason(err: OSError) -> str:
 
 
 def build(inputs: OrderInputs, epoch: int, directory: str | Path, wait: bool = True) -> Path | None:
-    """The epoch's order file, built if it is not there yet. With `wait` False, None at once if another process is
-    building it."""
+    """The epoch's order file, checked, built if it is not there yet or fails its check (with one line saying so).
+    With `wait` False, None at once if another process is building it."""
     path = order_path(inputs, epoch, directory)
-    if path.exists():
+    if path.exists() and problem_with(path, inputs) is None:
         return path
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -187,8 +193,11 @@ def build(inputs: OrderInputs, epoch: int, directory: str | Path, wait: bool = T
     except OSError as err:
         raise NotKept(_reason(err)) from None
     try:
-        if path.exists():  # built while this process waited
-            return path
+        if path.exists():  # built while this process waited, or damaged
+            problem = problem_with(path, inputs)
+            if problem is None:
+                return path
+            warnings.warn(f"{path} {problem}: it is not the order its name says; building it again", stacklevel=2)
         remove_dead_partials(path.parent)
         dtype = np.uint32 if inputs.samples_per_shard.sum() <= 1 << 32 else np.int64
         size = 128 + inputs.epoch_size * np.dtype(dtype).itemsize
@@ -217,14 +226,48 @@ def build(inputs: OrderInputs, epoch: int, directory: str | Path, wait: bool = T
 
 
 def _write(partial: Path, sequence: np.ndarray, dtype: type) -> None:
-    """The order as a .npy file, synced (a full disk raises here, not at a later read of the mapped file)."""
+    """The order as a .npy file and its checksum, synced (a full disk raises here, not at a later read of the mapped
+    file)."""
+    digest = xxhash.xxh3_128()
     with open(partial, "wb") as out:
         np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
                                                    "fortran_order": False, "shape": (len(sequence),)})
         for at in range(0, len(sequence), WRITE_CHUNK):
-            out.write(sequence[at:at + WRITE_CHUNK].astype(dtype).tobytes())
+            chunk = sequence[at:at + WRITE_CHUNK].astype(dtype).tobytes()
+            digest.update(chunk)
+            out.write(chunk)
+        out.write(CHECKSUM_TAG + digest.digest())
         out.flush()
         os.fsync(out.fileno())
+
+
+def problem_with(path: Path, inputs: OrderInputs) -> str | None:
+    """What is wrong with an epoch's order file (None: nothing): its shape and type, its checksum, and that every id
+    is one of the dataset's samples. One pass over the file."""
+    try:
+        ids = np.load(path, mmap_mode="r")
+        with open(path, "rb") as handle:
+            handle.seek(-CHECKSUM_BYTES, os.SEEK_END)
+            footer = handle.read(CHECKSUM_BYTES)
+            size = handle.seek(0, os.SEEK_END)
+    except (OSError, ValueError) as err:
+        return f"cannot be read as an epoch order ({err})"
+    if ids.shape != (inputs.epoch_size,) or ids.dtype not in (np.uint32, np.int64):
+        return f"holds {ids.shape} {ids.dtype}, not an epoch order of {inputs.epoch_size} samples"
+    if size != ids.offset + ids.nbytes + CHECKSUM_BYTES or not footer.startswith(CHECKSUM_TAG):
+        return "has no checksum after its ids (cut short, or not written by this version)"
+    digest, largest, smallest = xxhash.xxh3_128(), 0, 0
+    for at in range(0, len(ids), WRITE_CHUNK):
+        chunk = np.asarray(ids[at:at + WRITE_CHUNK])
+        digest.update(chunk.tobytes())
+        if len(chunk):
+            largest, smallest = max(largest, int(chunk.max())), min(smallest, int(chunk.min()))
+    if digest.digest() != footer[len(CHECKSUM_TAG):]:
+        return "fails its checksum (changed since it was written)"
+    samples = int(inputs.samples_per_shard.sum())
+    if largest >= samples or smallest < 0:
+        return f"holds sample id {largest if largest >= samples else smallest}, outside the dataset's {samples:,}"
+    return None
 
 
 WRITE_CHUNK = 1 << 22  # ids per write: bounds the converted copy
