@@ -259,3 +259,29 @@ def test_each_rank_of_asymmetric_layouts_reads_what_streamings_own_partition_dea
             assert read.transpose(1, 0, 2).reshape(8, -1).tolist() == expected.tolist(), (nodes, per_node)
     finally:
         order.close()
+
+
+def test_the_ledger_checks_its_answer_against_what_the_run_recorded_reading(run, tmp_path):
+    """Each step's metrics line says what it read ("read": the sums of read_check.py, all ranks together); the
+    ledger's answer for a recorded step must give the same, or it says in one line that it cannot answer."""
+    import shutil
+
+    from tokstream.reader.order.read_check import read_digest, read_sums
+    from tokstream.train.ledger import Ledger
+    from tokstream.train.metrics import read_records
+
+    records = read_records(run)
+    assert all(r["read"] == read_digest(read_sums(r["samples"])) for r in records)  # the run's own record
+    shutil.copytree(run, tmp_path / "run")
+    records[6]["read"] = read_digest(read_sums(np.array(records[6]["samples"]) + 1))  # other samples than step 7's
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    checked = Ledger.of_run(str(tmp_path / "run"))
+    try:
+        assert checked.step(6).samples.tolist() == records[5]["samples"]
+        said = refusal(lambda: checked.step(7))
+        assert said.startswith("step 7: metrics.jsonl records reading other samples than the order gives") and \
+            "\n" not in said
+    finally:
+        checked.close()
+    done = ledger(tmp_path / "run", "--step", "7")
+    assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("error: step 7: metrics.jsonl")

@@ -39,7 +39,8 @@ def step_record(line: str) -> dict | None:
 # What the readers of metrics.jsonl (the relaunch, the ledger, the plot) take from a step's line, and its type; step
 # and loss are in every line.
 RECORD_FIELDS = {"step": int, "loss": (int, float), "tokens": int, "phase": int, "ranks": int, "nodes": int,
-                 "val_loss": (int, float), "samples": list, "val_loss_per_source": dict, "data": str}
+                 "val_loss": (int, float), "samples": list, "val_loss_per_source": dict, "data": str,
+                 "read": str}
 
 
 def _records(text: str, where: object) -> list[tuple[str, dict | None]]:

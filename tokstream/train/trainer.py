@@ -15,12 +15,14 @@ from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from tokstream.errors import StoreError, UserError, no_space, out_of_space
 from tokstream.reader import BatchPlan, Dataset, eval_batches, remove_stale_shared_memory, to_device
+from tokstream.reader.order.read_check import read_digest, read_sums
 from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
 from tokstream.train.checkpoint_files import Survey
 from tokstream.train.config import TrainConfig
@@ -574,11 +576,16 @@ def account_step(run: Run, sample_ids: list[int], tokens: int) -> dict:
         record["phase"] = run.phase.index
     if run.config.trace_samples:
         record["samples"] = run.dist.gather(sample_ids)
+    # One all-reduce: the step's read sums (read_check.py, checked by the ledger), and per source its samples.
+    many = len(run.source_names) > 1
+    summed = np.concatenate([read_sums(sample_ids), run.batches.samples_per_source(sample_ids) if many else []])
+    summed = torch.from_numpy(summed.astype(np.int64)).to(run.dist.device)
+    run.dist.sum(summed)
+    summed = summed.tolist()
+    record["read"] = read_digest(summed[:2])
     counts = [run.plan.global_batch_size]
-    if len(run.source_names) > 1:  # one all-reduce; a single source gives every sample
-        counts = torch.from_numpy(run.batches.samples_per_source(sample_ids)).to(run.dist.device)
-        run.dist.sum(counts)
-        counts = counts.tolist()
+    if many:  # a single source gives every sample
+        counts = summed[2:]
         record["samples_per_source"] = dict(zip(run.source_names, counts))
     run.batches.count(run.phase, counts)
     record["consumed"] = run.batches.consumed_by_name()
