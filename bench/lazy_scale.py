@@ -11,8 +11,8 @@ index is right, and convert/verify.py would pass it.
 
 Each row is the slowest of the ranks started together (bench/scale.py's rank processes, with torchrun's
 environment): seconds from every rank's imports to its first batch, its peak RSS (imports included) and the
-node's /dev/shm. The orders, in the same run: "lazy" (data.shuffle_algo: feistel_window, tokstream/reader/
-lazy_order.py), "py1e" (streaming's order computed in memory by the project's reader, as a reader without
+node's /dev/shm. The orders, in the same run: "lazy" (data.shuffle_algo: lazy, tokstream/reader/order/
+lazy.py), "py1e" (streaming's order computed in memory by the project's reader, as a reader without
 data.order_dir does) and "file" (py1e kept as files, data.order_dir, as the trainer does: the first start builds the
 epoch's file, the next ones map it, the second epoch's is built ahead), the latter two up to --py1e-limit samples
 (beyond, computing py1e needs minutes and more memory than this machine's 24 GB); stock StreamingDataset at the
@@ -113,7 +113,7 @@ def main() -> None:
                   f"{epoch:,}", flush=True)
             default = "lazy" if samples >= DataConfig().lazy_order_from else "py1e, kept as files by the trainer"
             print(f"# data.shuffle_algo: auto (the default) reads this dataset in: {default}", flush=True)
-            orders = [("project", "feistel_window", "lazy")]
+            orders = [("project", "lazy", "lazy")]
             if samples <= args.py1e_limit:
                 orders += [("project", "py1e", "py1e"), ("project", "py1e", "file")]
             if million == min(args.million_samples) and samples <= args.py1e_limit:  # stock: as py1e, and slower
@@ -178,7 +178,7 @@ started = time.perf_counter()
 from tokstream.reader import DataConfig, SampleOrder, open_dataset
 imported = time.perf_counter()
 root, step, global_batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-order = SampleOrder(open_dataset(DataConfig(remote=root, shuffle_algo="feistel_window")), global_batch)
+order = SampleOrder(open_dataset(DataConfig(remote=root, shuffle_algo="lazy")), global_batch)
 read = order.steps(step, 1, 1, 8)
 assert read.shape == (1, 8, global_batch // 8) and read.min() >= 0
 print(time.perf_counter() - imported)

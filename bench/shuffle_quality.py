@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tokstream.reader.order import whole_epoch  # noqa: E402
-from tokstream.reader.streaming_door.streaming_import import import_streaming  # noqa: E402
 
 BATCH = 512
 LAYOUTS = [("207 x 97", 207, 97, 64), ("207 x 97", 207, 97, 97), ("207 x 97", 207, 97, 256),
@@ -62,8 +61,7 @@ def quality(orders: list[np.ndarray], shard_size: int) -> dict[str, float]:
 
 
 def measure(shards: int, shard_size: int, block: int, epochs: int, nodes: int, seed: int) -> dict[str, dict]:
-    import_streaming()
-    from streaming.base.shuffle import get_shuffle
+    from tokstream.reader.streaming_door.streaming_internals import get_shuffle  # stock streaming's own
 
     sizes = np.full(shards, shard_size, np.int64)
     out = {"py1e": quality([get_shuffle("py1e", sizes, nodes, seed, e, block) for e in range(epochs)], shard_size)}

@@ -118,7 +118,7 @@ def test_the_structure_of_a_micro_batch_and_more_documents_than_its_maximum():
     assert few["positions"].tolist() == structure["positions"].tolist()
 
 
-@pytest.mark.parametrize("order", ["auto", "feistel_window"])
+@pytest.mark.parametrize("order", ["auto", "lazy"])
 def test_the_reader_gives_each_micro_batch_its_documents_from_the_datasets_separator(dataset, order):
     """A real corpus (Tiny Shakespeare, a document per paragraph, block 64: several per sample), in the order
     `auto` gives it (py1e) and in the lazy order."""
@@ -157,7 +157,7 @@ def test_document_attention_resumes_exactly_after_sigterm_sigkill_and_on_another
     from tokstream.train.run_store import LocalRunStore
 
     common = ["max_steps=12", "optim.decay_steps=12", "checkpoint_interval=4", "eval_interval=4",
-              "model.attention=document", "model.positions=document", "data.shuffle_algo=feistel_window"]
+              "model.attention=document", "model.positions=document", "data.shuffle_algo=lazy"]
     train(2, dataset, tmp_path / "reference", *common)
     reference = metrics(tmp_path / "reference")
     run_dir, store = tmp_path / "interrupted", LocalRunStore(str(tmp_path / "interrupted"))

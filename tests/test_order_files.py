@@ -282,7 +282,7 @@ def test_a_run_started_before_auto_resumes_in_its_own_order_and_keeps_its_orders
         "folder with room, or leave the readers to build them")
     lazy = subprocess.run([sys.executable, "train/build_orders.py", *BASE, f"data.remote={dataset}",
                            f"run_dir={tmp_path / 'lazy'}", *threshold], capture_output=True, text=True, cwd=ROOT)
-    assert lazy.stdout == "the data: read in feistel_window, which keeps no files: nothing to build\n", lazy.stderr
+    assert lazy.stdout == "the data: read in lazy, which keeps no files: nothing to build\n", lazy.stderr
     _, saved = find_latest(store)
     assert saved["run"]["config"]["data"]["shuffle_algo"] == "py1e"
 

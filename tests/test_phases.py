@@ -131,7 +131,7 @@ def test_tokens_count_each_phases_batch_and_block(data):
 
 # The orders phases are tested in: `auto`'s for these small datasets (py1e) and the lazy order (auto's from 2^24
 # samples), which the torchrun tests of the lazy order (test_lazy_order.py) resume through SIGTERM and SIGKILL.
-ORDERS = ["auto", "feistel_window"]
+ORDERS = ["auto", "lazy"]
 
 
 @pytest.mark.parametrize("order", ORDERS)

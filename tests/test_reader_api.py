@@ -331,5 +331,5 @@ def test_a_shuffle_streaming_does_not_know_is_refused_when_the_data_is_opened(mi
     import dataclasses
 
     assert refusal(lambda: open_dataset(dataclasses.replace(mixture, shuffle_algo="feistel"))) == (
-        "data.shuffle_algo='feistel' is not a shuffle streaming knows: give auto or one of feistel_window, naive, py1br, "
+        "data.shuffle_algo='feistel' is not a shuffle streaming knows: give auto or one of feistel_window, lazy, naive, py1br, "
         "py1e, py1s, py2s")

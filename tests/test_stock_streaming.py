@@ -26,7 +26,8 @@ THE_PROJECTS = {
     "streaming.base.dataset.FileLock",
     "streaming.base.shared.barrier.FileLock",
     'streaming.base.shuffle.algos["py1e"]',
-    'streaming.base.shuffle.algos["feistel_window"]',  # the project's own shuffle, registered beside stock's
+    'streaming.base.shuffle.algos["feistel_window"]',  # the project's own lazy orders, registered beside stock's
+    'streaming.base.shuffle.algos["lazy"]',
     'streaming.base.batching.batching_methods["random"]',
     "streaming.base.dataloader.BatchEncoding",
     "streaming.base.dataloader.BatchFeature",

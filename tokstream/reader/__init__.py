@@ -27,8 +27,9 @@ from tokstream.reader.batch_plan import BatchPlan  # noqa: E402
 from tokstream.reader.batches import TrainBatches, eval_batches, to_device  # noqa: E402
 from tokstream.reader.config import DataConfig, StreamConfig  # noqa: E402
 from tokstream.reader.dataset import AUTO_SHUFFLE, Dataset, open_dataset  # noqa: E402
+from tokstream.reader.order.read_check import read_digest, read_sums  # noqa: E402
 from tokstream.reader.sample_order import SampleOrder  # noqa: E402
 from tokstream.reader.stale_shm import remove_stale_shared_memory  # noqa: E402
 
 __all__ = ["AUTO_SHUFFLE", "BatchPlan", "DataConfig", "Dataset", "SampleOrder", "StreamConfig", "TrainBatches", "eval_batches",
-           "open_dataset", "remove_stale_shared_memory", "to_device"]
+           "open_dataset", "read_digest", "read_sums", "remove_stale_shared_memory", "to_device"]

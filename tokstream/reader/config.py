@@ -27,7 +27,8 @@ class DataConfig:
     val_split: str = "val"
     shuffle_seed: int = 9176
     # "auto": streaming's py1e for a train split under lazy_order_from samples (kept as files: order_dir), the lazy
-    # order (feistel_window, docs/scale.md) from there on; a run keeps the order it started in.
+    # order (lazy, docs/scale.md) from there on; a run keeps the order it started in (feistel_window, the first lazy
+    # order, stays for the runs and reader states read in it).
     shuffle_algo: str = "auto"
     lazy_order_from: int = 1 << 24
     shuffle_block_size: int | None = None

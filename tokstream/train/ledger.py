@@ -20,8 +20,7 @@ import numpy as np
 
 from tokstream.errors import UserError
 from tokstream.object_store import is_s3
-from tokstream.reader import SampleOrder
-from tokstream.reader.order.read_check import read_digest, read_sums
+from tokstream.reader import SampleOrder, read_digest, read_sums
 from tokstream.tokenizer import Tokenizer, dataset_tokenizer
 from tokstream.train.checkpoint import newest_run_record
 from tokstream.train.config import TrainConfig, apply_overrides, check_skips, config_from_dict

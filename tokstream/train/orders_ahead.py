@@ -3,7 +3,7 @@ their first launch and each epoch's start (data.order_dir, by default the run's 
 with the memory, so that every launch of the run maps them.
 
 Each stream of the run (the data one or more phases read, phases.py) is opened as the ledger opens it and its
-epochs' orders built; data read in the lazy order (data.shuffle_algo: feistel_window, or `auto` on large data) needs
+epochs' orders built; data read in the lazy order (data.shuffle_algo: lazy, or `auto` on large data) needs
 none, and is said to. An S3 run keeps its orders in each node's run_local: build them there, on each node, or give
 data.order_dir a folder every node sees.
 """

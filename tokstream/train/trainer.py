@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from tokstream.errors import StoreError, UserError, no_space, out_of_space
-from tokstream.reader import BatchPlan, Dataset, eval_batches, remove_stale_shared_memory, to_device
-from tokstream.reader.order.read_check import read_digest, read_sums
+from tokstream.reader import (BatchPlan, Dataset, eval_batches, read_digest, read_sums, remove_stale_shared_memory,
+                              to_device)
 from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
 from tokstream.train.checkpoint_files import Survey
 from tokstream.train.config import TrainConfig
