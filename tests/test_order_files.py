@@ -125,9 +125,16 @@ def damage(path, how: str) -> None:
         ids[:2 * half] = np.concatenate([ids[half:2 * half], ids[:half]])
     elif how == "five ids overwritten":
         ids[3:8] = ids[10:15]
-    elif how == "an id out of range":
+    elif how in ("an id out of range", "an id out of range, checksummed"):
         ids[7] = np.iinfo(ids.dtype).max
     ids.flush()
+    if how == "an id out of range, checksummed":  # as a builder with a bug would write it: the checksum matches
+        import xxhash
+
+        digest = xxhash.xxh3_128(np.asarray(ids).tobytes()).digest()
+        with open(path, "r+b") as handle:
+            handle.seek(-16, os.SEEK_END)
+            handle.write(digest)
     del ids
     if how == "cut short":
         os.truncate(path, os.path.getsize(path) - 1)
@@ -135,8 +142,8 @@ def damage(path, how: str) -> None:
         np.save(path, np.arange(10, dtype=np.uint32))
 
 
-@pytest.mark.parametrize("how", ["halves swapped", "five ids overwritten", "an id out of range", "cut short",
-                                 "another shape"])
+@pytest.mark.parametrize("how", ["halves swapped", "five ids overwritten", "an id out of range",
+                                 "an id out of range, checksummed", "cut short", "another shape"])
 def test_a_damaged_order_file_is_rebuilt_with_one_line_naming_it_and_never_read(mixture, tmp_path, how):
     """Every file ends with a checksum of its ids, checked (with every id's range) before any process reads it: a
     relaunch after the file changed reads exactly what it would have read without files, and says which file it
@@ -148,7 +155,8 @@ def test_a_damaged_order_file_is_rebuilt_with_one_line_naming_it_and_never_read(
     read(files, BatchPlan(8, 8, 1), 1)
     name = epoch_files(directory)[0]
     damage(directory / name, how)
-    with pytest.warns(UserWarning, match=f"{name} .*building it again"):
+    said = "holds sample id .* outside the dataset's" if how.endswith("checksummed") else ""
+    with pytest.warns(UserWarning, match=f"{name} {said}.*building it again"):
         got, _ = read(files, BatchPlan(8, 8, 1), epoch)
     assert got == want
     damage(directory / name, how)
