@@ -53,23 +53,6 @@ def test_a_position_of_an_880_million_sample_epoch_costs_what_it_costs_in_a_smal
     assert got.min() >= 0 and got.max() < 880_000_000 and len(set(got.tolist())) == 5
 
 
-def test_stock_streaming_reads_every_sample_once_an_epoch_in_this_order(tmp_path):
-    """Registered by the door's install(), the order is one stock StreamingDataset can be given by name."""
-    from test_training import tiny_splits
-
-    from tokstream.reader import DataConfig, open_dataset
-    from tokstream.reader.batches import make_loader
-
-    root = tiny_splits(tmp_path, 200, 8)
-    dataset = open_dataset(DataConfig(remote=str(root), shuffle_algo=NAME, shuffle_block_size=16))
-    loader = make_loader(dataset.config, "train", 8, shuffle=True, pin_memory=False, num_workers=0)
-    read = np.concatenate([batch["ids"].numpy() for batch in loader])
-    assert sorted(read.tolist()) == list(range(200))
-    sizes = loader.dataset.samples_per_shard
-    assert read.tolist() == get_shuffle_feistel_window(sizes, 1, 9176, 0, 16).tolist()  # one rank: the order itself
-    loader.dataset.release_shared_memory()
-
-
 def test_the_cut_at_canonical_nodes_is_streamings_own():
     """feistel_window cuts its spans as streaming's divide_spans does (empty shards included: they move the epoch's
     draws), without importing it: the order package imports none of streaming."""

@@ -120,15 +120,16 @@ def test_every_epoch_draws_each_streams_count_and_reads_it_once_the_same_at_any_
             assert np.array_equal(order.at(picks), ids[picks])
 
 
-def in_shard_spearman(ids: np.ndarray, shard_size: int) -> float:
-    """Mean Spearman rho, over shards, of a shard's samples' read order against their place in the shard."""
-    shards = ids // shard_size
-    rhos = []
-    for shard in np.unique(shards):
-        within = ids[shards == shard] % shard_size
-        if len(within) > 2:
-            rhos.append(np.corrcoef(np.arange(len(within)), np.argsort(np.argsort(within)))[0, 1])
-    return float(np.mean(rhos))
+def shuffle_quality():
+    """bench/shuffle_quality.py (bench/ is not a package): its measures of how well an order mixes."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("shuffle_quality", ROOT / "bench" / "shuffle_quality.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 @pytest.mark.parametrize("block", [16, 64, 97, 256, 2048])
@@ -138,7 +139,7 @@ def test_each_shard_is_read_in_another_order_every_epoch_whatever_the_block(bloc
     sizes = np.full(207, 97)
     epochs = [EpochOrder(sizes, [207], [None], 9176, e, 2, block).at(np.arange(207 * 97)) for e in range(2)]
     for ids in epochs:
-        assert abs(in_shard_spearman(ids, 97)) < 0.05
+        assert abs(shuffle_quality().in_shard_rho(ids, 97)) < 0.05
     first_shard = [ids[ids < 97] for ids in epochs]
     assert not np.array_equal(*first_shard) and sorted(first_shard[0]) == sorted(first_shard[1])
 
@@ -171,18 +172,21 @@ def test_the_canonical_nodes_keep_their_shards_every_epoch():
     assert ranges[0] == ranges[1] == ranges[2]
 
 
-def test_stock_streaming_reads_every_sample_once_an_epoch_in_the_lazy_order(tmp_path):
+@pytest.mark.parametrize("name", [NAME, "feistel_window"])
+def test_stock_streaming_reads_every_sample_once_an_epoch_in_each_lazy_order(tmp_path, name):
+    """Registered by the door's install(), each lazy order is one stock StreamingDataset can be given by name; one rank
+    reads the order itself."""
     from test_training import tiny_splits
 
     from tokstream.reader import DataConfig, open_dataset
     from tokstream.reader.batches import make_loader
 
     root = tiny_splits(tmp_path, 200, 8)
-    dataset = open_dataset(DataConfig(remote=str(root), shuffle_algo=NAME, shuffle_block_size=16))
+    dataset = open_dataset(DataConfig(remote=str(root), shuffle_algo=name, shuffle_block_size=16))
     loader = make_loader(dataset.config, "train", 8, shuffle=True, pin_memory=False, num_workers=0)
     read = np.concatenate([batch["ids"].numpy() for batch in loader])
     assert sorted(read.tolist()) == list(range(200))
-    assert read.tolist() == whole_epoch(NAME)(loader.dataset.samples_per_shard, 1, 9176, 0, 16).tolist()
+    assert read.tolist() == whole_epoch(name)(loader.dataset.samples_per_shard, 1, 9176, 0, 16).tolist()
     loader.dataset.release_shared_memory()
 
 
@@ -211,14 +215,9 @@ def test_the_lazy_order_mixes_no_worse_than_py1e(shards, shard_size, block):
     """bench/shuffle_quality.py's measures, the lazy order beside streaming's py1e (same seed, block, canonical
     nodes), below, above and far above the shard size and on an OpenWebText-like layout: no worse on any beyond
     noise (the table of bench/README.md)."""
-    import importlib.util
     import warnings
 
-    from conftest import ROOT
-
-    spec = importlib.util.spec_from_file_location("shuffle_quality", ROOT / "bench" / "shuffle_quality.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = shuffle_quality()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # py1e's own warning of a block below the shard size
         measured = bench.measure(shards, shard_size, block, epochs=2, nodes=2, seed=9176)

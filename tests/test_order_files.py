@@ -1,4 +1,4 @@
-"""Streaming's epoch orders kept as files (data.order_dir, tokstream/reader/streaming_door/order_files.py): a reader
+"""Streaming's epoch orders kept as files (data.order_dir, tokstream/reader/order/order_files.py): a reader
 reads the very samples it reads without them, each epoch's file is built once and mapped by every later reader, the
 next epoch's is built ahead, a build that died leaves nothing that looks complete, and `auto` keeps a run's order.
 That each worker's ids from the file are stock streaming's own is proven in test_epoch_order.py."""
@@ -19,7 +19,8 @@ from test_training import tiny_splits
 from tokstream.errors import UserError
 from tokstream.reader import BatchPlan, DataConfig, SampleOrder, StreamConfig, TrainBatches, open_dataset
 from tokstream.reader.order.lazy import NAME
-from tokstream.reader.streaming_door import order_files
+from tokstream.reader.order import order_files
+from tokstream.reader.streaming_door.streaming_internals import order_inputs
 
 
 @pytest.fixture(scope="module")
@@ -142,18 +143,24 @@ def damage(path, how: str) -> None:
         np.save(path, np.arange(10, dtype=np.uint32))
 
 
+def an_epochs_file(mixture: DataConfig, directory) -> tuple[DataConfig, int, list]:
+    """The mixture with its orders in `directory`, epoch 0's file built; the micro-batches of 8 in an epoch, and what
+    they read without files."""
+    files = dataclasses.replace(mixture, order_dir=str(directory))
+    epoch = sum(open_dataset(mixture).epoch_samples(BatchPlan(8, 1, 1))) // 8
+    want, _ = read(mixture, BatchPlan(8, 8, 1), epoch)
+    read(files, BatchPlan(8, 8, 1), 1)
+    return files, epoch, want
+
+
 @pytest.mark.parametrize("how", ["halves swapped", "five ids overwritten", "an id out of range",
                                  "an id out of range, checksummed", "cut short", "another shape"])
 def test_a_damaged_order_file_is_rebuilt_with_one_line_naming_it_and_never_read(mixture, tmp_path, how):
     """Every file ends with a checksum of its ids, checked (with every id's range) before any process reads it: a
     relaunch after the file changed reads exactly what it would have read without files, and says which file it
     rebuilt; train/build_orders.py's path (build_order_files) checks the files it finds alike."""
-    directory = tmp_path / "orders"
-    files = dataclasses.replace(mixture, order_dir=str(directory))
-    epoch = sum(open_dataset(mixture).epoch_samples(BatchPlan(8, 1, 1))) // 8
-    want, _ = read(mixture, BatchPlan(8, 8, 1), epoch)
-    read(files, BatchPlan(8, 8, 1), 1)
-    name = epoch_files(directory)[0]
+    files, epoch, want = an_epochs_file(mixture, tmp_path / "orders")
+    directory, name = tmp_path / "orders", epoch_files(tmp_path / "orders")[0]
     damage(directory / name, how)
     said = "holds sample id .* outside the dataset's" if how.endswith("checksummed") else ""
     with pytest.warns(UserWarning, match=f"{name} {said}.*building it again"):
@@ -164,7 +171,7 @@ def test_a_damaged_order_file_is_rebuilt_with_one_line_naming_it_and_never_read(
     try:
         with pytest.warns(UserWarning, match=f"{name} .*building it again"):
             assert order.build_order_files(range(1)) == [str(directory / name)]
-        assert order_files.problem_with(directory / name, order_files.OrderInputs.of(order._loader.dataset)) is None
+        assert order_files.problem_with(directory / name, order_inputs(order._loader.dataset)) is None
     finally:
         order.close()
 
@@ -174,12 +181,8 @@ def test_a_damaged_order_file_that_cannot_be_rebuilt_is_computed_in_memory_with_
     """The disk full when the file is found damaged (its free space read as none: a real full disk is
     test_an_order_dir_without_room's): the reader says the file is damaged and that it computes the order in memory,
     and reads exactly the order."""
-    directory = tmp_path / "orders"
-    files = dataclasses.replace(mixture, order_dir=str(directory))
-    epoch = sum(open_dataset(mixture).epoch_samples(BatchPlan(8, 1, 1))) // 8
-    want, _ = read(mixture, BatchPlan(8, 8, 1), epoch)
-    read(files, BatchPlan(8, 8, 1), 1)
-    name = epoch_files(directory)[0]
+    files, epoch, want = an_epochs_file(mixture, tmp_path / "orders")
+    directory, name = tmp_path / "orders", epoch_files(tmp_path / "orders")[0]
     damage(directory / name, "halves swapped")
     full = order_files.shutil.disk_usage(directory)._replace(free=0)
     monkeypatch.setattr(order_files.shutil, "disk_usage", lambda path: full)

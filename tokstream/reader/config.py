@@ -33,7 +33,7 @@ class DataConfig:
     lazy_order_from: int = 1 << 24
     shuffle_block_size: int | None = None
     # Where streaming's epoch orders are kept as files, built once per epoch and mapped by every rank and relaunch
-    # (streaming_door/order_files.py; the trainer's default: the run's orders/). None: each node's first rank
+    # (order/order_files.py; the trainer's default: the run's orders/). None: each node's first rank
     # computes each epoch's order in memory, as stock streaming does.
     order_dir: str | None = None
     # Fixed, not derived from the cluster: the global sample order depends on it, so keeping it

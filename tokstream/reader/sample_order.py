@@ -71,7 +71,7 @@ class SampleOrder:
         return rows
 
     def build_order_files(self, epochs: range) -> list[str]:
-        """Build the epochs' orders as files in data.order_dir now (streaming_door/order_files.py), which readers
+        """Build the epochs' orders as files in data.order_dir now (order/order_files.py), which readers
         then map instead of building: the paths, [] where the data is read in the lazy order or has no order_dir."""
         return [str(path) for path in internals.build_order_files(self._loader.dataset, epochs)]
 

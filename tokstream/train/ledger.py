@@ -109,11 +109,11 @@ class Ledger:
                             f"{nodes} node{'s' * (nodes > 1)} do not share evenly")
         read = self.order(phase).steps(self.recipe.read_units_before(phase, step - 1), phase.global_batch_size // unit,
                                        nodes, ranks // nodes)
-        said = self.records.get(step, {}).get("read")
-        if said is not None and said != read_digest(read_sums(read)):
+        said, gives = self.records.get(step, {}).get("read"), read_digest(read_sums(read))
+        if said is not None and said != gives:
             raise UserError(f"step {step}: metrics.jsonl records reading other samples than the order gives for it "
-                            f"(read {said}, the order {read_digest(read_sums(read))}): the data or its order changed "
-                            "since the run read it; the ledger cannot say what it read")
+                            f"(read {said}, the order {gives}): the data or its order changed since the run read it; "
+                            "the ledger cannot say what it read")
         return StepReads(step, phase, nodes, ranks, recorded, read.transpose(1, 0, 2).reshape(ranks, -1))
 
     def check_recorded(self, step: int, phase: Phase) -> None:

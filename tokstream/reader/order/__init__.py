@@ -4,10 +4,9 @@
 - lazy.py: the lazy order (data.shuffle_algo: lazy), computed where it is read;
 - feistel_window.py: the first lazy order, kept for the runs read in it;
 - partition.py: streaming's partition over nodes, ranks and workers, in closed form;
-- read_check.py: a step's samples as two sums, recorded by the run and checked by the ledger.
-
-Streaming's own orders kept as checksummed files (streaming_door/order_files.py, epoch_order.py) are still in the door
-(issue 51's item 4 is not finished: they are to move here, handed stock's functions by the door).
+- read_check.py: a step's samples as two sums, recorded by the run and checked by the ledger;
+- order_files.py: streaming's own orders (py1e) kept as checksummed files, built once per epoch and mapped by every
+  rank; the door hands it how to compute them (its OrderInputs.compute: the door's epoch_order, stock's numbers).
 
 None of it imports streaming: the door (streaming_door/) registers these orders in streaming and hands them what
 they read (the shards' sizes, the streams' draws, the settings).

@@ -16,6 +16,7 @@ import numpy as np
 
 from tokstream.reader.order.keyed import key as _key
 from tokstream.reader.order.keyed import mix as _mix
+from tokstream.reader.order.lazy import windows
 
 NAME = "feistel_window"
 ROUNDS = 4
@@ -102,12 +103,8 @@ class WindowShuffle:
     def at(self, positions: np.ndarray) -> np.ndarray:
         """The sample id at each position of the epoch's order."""
         positions = np.asarray(positions, np.int64)
-        n, nodes = self.num_samples, self.num_canonical_nodes
-        node = ((positions + 1) * nodes + n - 1) // max(n, 1) - 1  # the largest c with c * n // nodes <= position
-        node_start, node_end = node * n // nodes, (node + 1) * n // nodes
-        window = (positions - node_start) // self.block_size
-        window_start = node_start + window * self.block_size
-        size = np.minimum(self.block_size, node_end - window_start)
+        node, window, window_start, size = windows(positions, self.num_samples, self.num_canonical_nodes,
+                                                   self.block_size)
         keys = _key(self.seed, self.epoch, node, window)
         moved = window_start + window_permutation(positions - window_start, size, keys).astype(np.int64)
         span = np.searchsorted(self.span_offsets, moved, side="right") - 1

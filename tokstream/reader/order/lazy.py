@@ -24,6 +24,18 @@ NAME = "lazy"
 _RESAMPLE, _RUN, _EPOCH, _WINDOW, _UNIT, _PICK = 1, 2, 3, 4, 5, 6
 
 
+def windows(positions: np.ndarray, epoch_size: int, num_canonical_nodes: int,
+            block_size: int) -> tuple[np.ndarray, ...]:
+    """Each position's canonical node, its window of `block_size` positions in that node's range (counted from the
+    node's start), the window's first position and its size (the node's last window may be shorter)."""
+    n, nodes = epoch_size, num_canonical_nodes
+    node = ((positions + 1) * nodes + n - 1) // max(n, 1) - 1  # the largest c with c * n // nodes <= position
+    node_start, node_end = node * n // nodes, (node + 1) * n // nodes
+    window = (positions - node_start) // block_size
+    window_start = node_start + window * block_size
+    return node, window, window_start, np.minimum(block_size, node_end - window_start)
+
+
 class EpochOrder:
     """Position in the epoch's order -> sample id, for a dataset's shards (in its streams' order)."""
 
@@ -90,12 +102,8 @@ class EpochOrder:
     def at(self, positions: np.ndarray) -> np.ndarray:
         """The sample at each position (0 <= position < epoch_size) of the epoch's order."""
         positions = np.asarray(positions, np.int64)
-        n, nodes = self.epoch_size, self.num_canonical_nodes
-        node = ((positions + 1) * nodes + n - 1) // max(n, 1) - 1  # the largest c with c * n // nodes <= position
-        node_start, node_end = node * n // nodes, (node + 1) * n // nodes
-        window = (positions - node_start) // self.block_size
-        window_start = node_start + window * self.block_size
-        size = np.minimum(self.block_size, node_end - window_start)
+        node, window, window_start, size = windows(positions, self.epoch_size, self.num_canonical_nodes,
+                                                   self.block_size)
         moved = window_start + permutation(positions - window_start, size,
                                            key(self.seed, self.epoch, _WINDOW, node, window))
         piece = np.searchsorted(self.piece_offsets, moved, side="right") - 1

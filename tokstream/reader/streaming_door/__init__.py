@@ -29,6 +29,7 @@ def install() -> None:
 
     internals.install_epoch_order(epoch_order.get_sampling_vectorized, epoch_order.get_shuffle_py1e_fast,
                                   epoch_order.generate_work_random)
+    internals.install_order_file_sequence(epoch_order.order_file_sequence)
     internals.install_spanner(lean_spanner.LeanSpanner)
     internals.install_reader_from_json(lean_readers.reader_from_json)
     from tokstream.reader.order import LAZY_ORDERS, whole_epoch

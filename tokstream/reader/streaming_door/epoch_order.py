@@ -215,13 +215,23 @@ def generate_work_random(dataset, world, epoch: int, sample_in_epoch: int) -> np
     return _look_up_in_place(ids, order)
 
 
+def order_file_sequence(inputs, epoch: int) -> np.ndarray:
+    """An epoch's order for order/order_files.py (OrderInputs.compute): streaming's, as the readers compute it with the
+    door installed (the same numbers as stock, faster), in whatever process builds the file."""
+    from tokstream.reader import streaming_door
+
+    streaming_door.install()
+    return epoch_sequence(inputs, epoch)
+
+
 def epoch_sequence(dataset, epoch: int) -> np.ndarray:
     """The epoch's samples in streaming's order, before the partition deals them out: position -> sample id
     (the array `generate_work_random` indexes with the partition; order_files.py keeps it as a file)."""
     if dataset.shuffle and not isinstance(dataset.shuffle_block_size, int):
         raise TypeError(f"Dataset `shuffle_block_size` must be an integer. Got {type(dataset.shuffle_block_size)} "
                         "instead.")
-    if type(dataset).resample_streams is not internals.StreamingDataset.resample_streams:
+    stock = internals.StreamingDataset.resample_streams
+    if getattr(type(dataset), "resample_streams", stock) is not stock:  # order files' inputs: stock's, by definition
         units, order = dataset.resample_streams(epoch)  # a subclass's own resampling
         shuffle = _shuffle(dataset, units, epoch)
     else:

@@ -131,6 +131,37 @@ def install_epoch_order(get_sampling, get_shuffle_py1e, generate_work_random) ->
     streaming_batching_module.batching_methods["random"] = generate_work_random  # and of batching methods
 
 
+# How an order file's epoch is computed (epoch_order.order_file_sequence), set by install().
+_order_file_sequence = None
+
+
+def install_order_file_sequence(compute) -> None:
+    global _order_file_sequence
+    _order_file_sequence = compute
+
+
+def kept_as_files(dataset: StreamingDataset) -> bool:
+    """Whether the dataset reads its epochs' orders from files (order/order_files.py): an order_dir, one of streaming's
+    own shuffles (the lazy orders compute their own), random batching, orig or relaxed partition, no replication,
+    stock's resampling."""
+    from tokstream.reader.order import LAZY_ORDERS
+
+    return (bool(getattr(dataset, "order_dir", None)) and bool(dataset.shuffle)
+            and dataset.shuffle_algo not in LAZY_ORDERS
+            and dataset.batching_method == "random" and dataset.partition_algo in ("orig", "relaxed")
+            and not dataset.replication
+            and type(dataset).resample_streams is StreamingDataset.resample_streams)  # its inputs say it all
+
+
+def order_inputs(dataset: StreamingDataset):
+    """What an order file of the dataset's epochs depends on, with the door's way of computing it."""
+    from tokstream.reader.order.order_files import OrderInputs
+
+    if _order_file_sequence is None:
+        raise RuntimeError("order files need the door installed (streaming_door.install())")
+    return OrderInputs.of(dataset, _order_file_sequence)
+
+
 def shuffle_names() -> list[str]:
     """The shuffle algorithms streaming knows (data.shuffle_algo), the project's own included."""
     from tokstream.reader.order import LAZY_ORDERS
@@ -414,16 +445,16 @@ class WindowedDownloadAhead(StreamingDataset):
     def _get_work(self, epoch: int, sample_in_epoch: int):
         """Stock's, but for a dataset in the project's lazy shuffle the worker's ids are computed as they are read
         (lazy_order.py): no array of the epoch's size, nothing in shared memory, no wait for the node's first rank."""
-        from tokstream.reader.streaming_door import order_files
+        from tokstream.reader.order import order_files
 
-        if not (in_lazy_order(self) or order_files.kept_as_files(self)):
+        if not (in_lazy_order(self) or kept_as_files(self)):
             return super()._get_work(epoch, sample_in_epoch)
         world = self._parallel_worker_world
         ids = worker_ids(self, world.num_nodes, world.ranks_per_node, world.workers_per_rank, epoch, sample_in_epoch,
                          [(world.node, world.rank_of_node, world.worker_of_rank)],
                          say=self._unique_worker_world.is_local_leader)[0]
-        if order_files.kept_as_files(self) and self._unique_worker_world.is_local_leader:
-            order_files.build_ahead(self, epoch + 1)
+        if kept_as_files(self) and self._unique_worker_world.is_local_leader:
+            order_files.build_ahead(order_inputs(self), epoch + 1, self.order_dir)
         return ids
 
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
@@ -582,8 +613,8 @@ def worker_ids(dataset: StreamingDataset, nodes: int, ranks_per_node: int, worke
     from sample_in_epoch on, as streaming would hand them out, each slice computed when read (lazy_order.py). `say`:
     whether this process warns of an order file it cannot write (a node's first worker does)."""
     from tokstream.reader.order import lazy_epoch_order
+    from tokstream.reader.order import order_files
     from tokstream.reader.order.partition import WorkerIds, lazy_partition
-    from tokstream.reader.streaming_door import order_files
 
     # The last epoch's order is kept: the ledger asks step after step of one epoch, and its set-up is O(shards).
     settings = (epoch, dataset.shuffle_algo, dataset.shuffle_block_size, dataset.shuffle_seed,
@@ -597,7 +628,7 @@ def worker_ids(dataset: StreamingDataset, nodes: int, ranks_per_node: int, worke
                                [stream.choose for stream in dataset.streams], dataset.shuffle_seed, epoch,
                                dataset.num_canonical_nodes, dataset.shuffle_block_size)
     else:
-        order = order_files.epoch_order(dataset, epoch, say)
+        order = order_files.epoch_order(order_inputs(dataset), epoch, dataset.order_dir, say)
     dataset._tokstream_epoch_order = (settings, order)
     partition = lazy_partition(dataset.partition_algo, dataset.epoch_size, dataset.num_canonical_nodes, nodes,
                                ranks_per_node, workers_per_rank, dataset.batch_size, sample_in_epoch,
@@ -614,9 +645,7 @@ def rank_orders(dataset: StreamingDataset, nodes: int, ranks_per_node: int, epoc
     first `limit` of each rank's are computed (all of them otherwise)."""
     world = World(num_nodes=nodes, ranks_per_node=ranks_per_node, workers_per_rank=1, worker=0)
     dataset._set_shuffle_block_size(world)  # what `_resume` does before the first epoch's work
-    from tokstream.reader.streaming_door import order_files
-
-    if in_lazy_order(dataset) or order_files.kept_as_files(dataset):
+    if in_lazy_order(dataset) or kept_as_files(dataset):
         ranks = [(node, rank, 0) for node in range(nodes) for rank in range(ranks_per_node)]
         return np.stack([ids[:limit] for ids in worker_ids(dataset, nodes, ranks_per_node, 1, epoch, sample_in_epoch,
                                                            ranks)])
@@ -627,12 +656,12 @@ def rank_orders(dataset: StreamingDataset, nodes: int, ranks_per_node: int, epoc
 def build_order_files(dataset: StreamingDataset, epochs: range) -> list[Path]:
     """Build the epochs' order files of a dataset whose orders are kept as files (order_files.py) now, as a node's
     first worker would at each epoch's start; [] for a dataset read in another way (the lazy order needs none)."""
-    from tokstream.reader.streaming_door import order_files
+    from tokstream.reader.order import order_files
 
-    if not order_files.kept_as_files(dataset):
+    if not kept_as_files(dataset):
         return []
     dataset._set_shuffle_block_size(World(num_nodes=1, ranks_per_node=1, workers_per_rank=1, worker=0))
-    inputs = order_files.OrderInputs.of(dataset)
+    inputs = order_inputs(dataset)
     try:
         return [order_files.build(inputs, epoch, dataset.order_dir) for epoch in epochs]
     except order_files.NotKept as failed:

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,14 +35,11 @@ import xxhash
 from filelock import FileLock, Timeout
 
 from tokstream.errors import UserError
-from tokstream.reader.streaming_door import streaming_internals as internals
 
 FORMAT = 2  # 2: a checksum after the ids
 # After the array: this tag and the xxh3-128 digest of the array's bytes (np.load maps the array and ignores them).
 CHECKSUM_TAG = b"tokstream-order\0"
 CHECKSUM_BYTES = len(CHECKSUM_TAG) + 16
-# Where a dataset keeps its orders' files (data.order_dir); None: streaming's in-memory orders.
-ORDER_DIR_ATTRIBUTE = "order_dir"
 
 
 @dataclass
@@ -51,8 +49,9 @@ class _Stream:
 
 @dataclass
 class OrderInputs:
-    """Everything an epoch's order depends on, under the names streaming's dataset gives them (epoch_sequence reads
-    it as it reads a dataset): picklable, so that a process of its own can build an epoch ahead."""
+    """Everything an epoch's order depends on, under the names streaming's dataset gives them (the door's
+    epoch_sequence reads it as it reads a dataset, with stock's resampling), and `compute`, the door's function that
+    computes the order from them: picklable, so that a process of its own can build an epoch ahead."""
 
     samples_per_shard: np.ndarray
     shards_per_stream: list[int]
@@ -65,9 +64,8 @@ class OrderInputs:
     shuffle_seed: int
     num_canonical_nodes: int
     shuffle_block_size: int
+    compute: Callable[["OrderInputs", int], np.ndarray] = field(repr=False, compare=False)
     streams: list[_Stream] = field(init=False)
-    # epoch_sequence takes stock's resampling for a dataset whose class has stock's resample_streams.
-    resample_streams = internals.StreamingDataset.resample_streams
 
     def __post_init__(self) -> None:
         self.samples_per_shard = np.asarray(self.samples_per_shard, np.int64)
@@ -78,12 +76,12 @@ class OrderInputs:
         self.epoch_size = int(sum(self.chooses))
 
     @classmethod
-    def of(cls, dataset) -> "OrderInputs":
+    def of(cls, dataset, compute) -> "OrderInputs":
         return cls(dataset.samples_per_shard, [int(n) for n in dataset.shards_per_stream],
                    [int(stream.choose) for stream in dataset.streams], dataset.sampling_method,
                    int(dataset.sampling_granularity), bool(dataset.epoch_seed_change), bool(dataset.shuffle),
                    dataset.shuffle_algo, int(dataset.shuffle_seed), int(dataset.num_canonical_nodes),
-                   int(dataset.shuffle_block_size))
+                   int(dataset.shuffle_block_size), compute)
 
     def digest(self) -> str:
         described = {key: getattr(self, key) for key in ("shards_per_stream", "chooses", "sampling_method",
@@ -93,18 +91,6 @@ class OrderInputs:
         described["format"] = FORMAT
         described["samples_per_shard"] = hashlib.sha256(self.samples_per_shard.astype("<i8").tobytes()).hexdigest()
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def kept_as_files(dataset) -> bool:
-    """Whether the dataset reads its epochs' orders from files: an order_dir, one of streaming's own shuffles (the
-    lazy order computes its own), random batching, orig or relaxed partition, no replication, stock's resampling."""
-    from tokstream.reader.order import LAZY_ORDERS
-
-    return (bool(getattr(dataset, ORDER_DIR_ATTRIBUTE, None)) and bool(dataset.shuffle)
-            and dataset.shuffle_algo not in LAZY_ORDERS
-            and dataset.batching_method == "random" and dataset.partition_algo in ("orig", "relaxed")
-            and not dataset.replication
-            and type(dataset).resample_streams is internals.StreamingDataset.resample_streams)  # its inputs say it all
 
 
 def order_path(inputs: OrderInputs, epoch: int, directory: str | Path) -> Path:
@@ -142,12 +128,10 @@ class OrderInMemory:
         return self.ids[positions]
 
 
-def epoch_order(dataset, epoch: int, say: bool = True) -> OrderFile | OrderInMemory:
+def epoch_order(inputs: OrderInputs, epoch: int, directory: str, say: bool = True) -> OrderFile | OrderInMemory:
     """The epoch's order of the dataset, from its file, built first if there is none (one process at a time: the
     others wait for it and map it). Where the file cannot be written (no room, not a folder, no permission) each
     process computes the same order in memory, and `say`s so once: the files only save work."""
-    inputs = OrderInputs.of(dataset)
-    directory = getattr(dataset, ORDER_DIR_ATTRIBUTE)
     try:
         path = build(inputs, epoch, directory)
     except NotKept as failed:
@@ -157,9 +141,7 @@ def epoch_order(dataset, epoch: int, say: bool = True) -> OrderFile | OrderInMem
                           "each reader computes it in memory until there is", stacklevel=2)
         if failed.sequence is not None:
             return OrderInMemory(failed.sequence)
-        from tokstream.reader.streaming_door.epoch_order import epoch_sequence
-
-        return OrderInMemory(epoch_sequence(inputs, epoch))
+        return OrderInMemory(inputs.compute(inputs, epoch))
     return OrderFile(path, inputs.epoch_size)
 
 
@@ -204,9 +186,7 @@ def build(inputs: OrderInputs, epoch: int, directory: str | Path, wait: bool = T
         free = shutil.disk_usage(path.parent).free
         if free < 2 * size:  # leave the disk as much room as the file takes: a run's checkpoints may share it
             raise NotKept(f"{free:,} bytes free, and the file takes {size:,}")
-        from tokstream.reader.streaming_door.epoch_order import epoch_sequence
-
-        sequence = epoch_sequence(inputs, epoch)
+        sequence = inputs.compute(inputs, epoch)
         partial = path.parent / f".{path.name}@{_process_tag(os.getpid())}.partial"
         try:
             _write(partial, sequence, dtype)
@@ -297,11 +277,9 @@ def remove_dead_partials(directory: Path) -> None:
             partial.unlink(missing_ok=True)
 
 
-def build_ahead(dataset, epoch: int) -> None:
+def build_ahead(inputs: OrderInputs, epoch: int, directory: str) -> None:
     """Start building the epoch's order in a process of its own, unless its file is there (its own lock keeps a second
     builder from doing it twice). It outlives the DataLoader worker that started it and ends when the file is built."""
-    inputs = OrderInputs.of(dataset)
-    directory = getattr(dataset, ORDER_DIR_ATTRIBUTE)
     if order_path(inputs, epoch, directory).exists():
         return
     # The package's own root first on its path: a script run from elsewhere (train/main.py) put it on its own only.
@@ -319,10 +297,7 @@ def build_ahead(dataset, epoch: int) -> None:
 
 
 if __name__ == "__main__":
-    from tokstream.reader import streaming_door
-
-    streaming_door.install()  # streaming's orders as the readers compute them (the same numbers, faster)
-    inputs, epoch, directory = pickle.loads(sys.stdin.buffer.read())
+    inputs, epoch, directory = pickle.loads(sys.stdin.buffer.read())  # inputs.compute: the door's, by reference
     try:
         build(inputs, epoch, directory, wait=False)
     except NotKept:
