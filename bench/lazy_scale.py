@@ -113,7 +113,7 @@ def main() -> None:
                   f"{epoch:,}", flush=True)
             default = "lazy" if samples >= DataConfig().lazy_order_from else "py1e, kept as files by the trainer"
             print(f"# data.shuffle_algo: auto (the default) reads this dataset in: {default}", flush=True)
-            orders = [("project", "lazy", "lazy")]
+            orders = [("project", "lazy", "lazy"), ("project", "feistel_window", "fwin")]  # today's, the first
             if samples <= args.py1e_limit:
                 orders += [("project", "py1e", "py1e"), ("project", "py1e", "file")]
             if million == min(args.million_samples) and samples <= args.py1e_limit:  # stock: as py1e, and slower
@@ -159,6 +159,7 @@ def main() -> None:
 # Each order's starts: (name, position in the epoch, epoch). With files: the first start builds epoch 0's order
 # ("build"); a relaunch maps it ("fresh", "50%"); epoch 1's was built ahead meanwhile ("built", at the epoch's start).
 STARTS = {"lazy": (("fresh", 0.0, 0), ("50%", 0.5, 0), ("epoch2", 0.0, 1)),
+          "fwin": (("fresh", 0.0, 0), ("50%", 0.5, 0), ("epoch2", 0.0, 1)),
           "py1e": (("fresh", 0.0, 0), ("50%", 0.5, 0), ("epoch2", 0.0, 1)),
           "file": (("build", 0.0, 0), ("fresh", 0.0, 0), ("50%", 0.5, 0), ("built", 0.0, 1)),
           "stock": (("fresh", 0.0, 0), ("50%", 0.5, 0))}

@@ -25,7 +25,7 @@ loader, the epoch's order and the first read; and its peak RSS, after imports an
 batch (the dataset's share is the difference).
 The node's shared memory is what /dev/shm holds for the job while every rank has its first batch.
 
-On AMD Zen 4 the project's ranks sort with numpy's AVX2 kernel, as training does (tokstream/cpu_dispatch.py),
+On AMD Zen 4 the project's ranks sort with numpy's AVX2 kernel, as training does (tokstream/train/cpu_dispatch.py),
 and stock's with numpy's own choice; `NPY_DISABLE_CPU_FEATURES= python bench/scale.py` measures both
 with numpy's own choice.
 """
@@ -44,7 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone without installing
 
-from tokstream.cpu_dispatch import VARIABLE, on_zen4  # noqa: E402
+from tokstream.train.cpu_dispatch import VARIABLE, on_zen4  # noqa: E402
 
 OWT_SAMPLES = 8_820_000
 BLOCK = 1024
@@ -60,7 +60,7 @@ root, samples, position, micro_batch, reader = (sys.argv[1], int(sys.argv[2]), f
 algo, epoch = sys.argv[6], int(sys.argv[7])
 order_dir = sys.argv[8] if len(sys.argv) > 8 and sys.argv[8] else None  # the project's orders kept as files
 if reader == "project":
-    from tokstream.cpu_dispatch import prefer_avx2_sort
+    from tokstream.train.cpu_dispatch import prefer_avx2_sort
     prefer_avx2_sort()  # as train/main.py does first
     from tokstream.reader.config import DataConfig
     from tokstream.reader.batches import make_loader
@@ -143,7 +143,7 @@ def numpy_sort() -> str:
     if VARIABLE in os.environ:
         return f"numpy's kernels: as {VARIABLE}={os.environ[VARIABLE]!r} says, in every reader"
     if on_zen4():
-        return "numpy's sort: AVX2 in the project's ranks (AMD Zen 4: tokstream/cpu_dispatch.py), AVX-512 in stock's"
+        return "numpy's sort: AVX2 in the project's ranks (AMD Zen 4: tokstream/train/cpu_dispatch.py), AVX-512 in stock's"
     return "numpy's sort: numpy's own choice in every reader"
 
 

@@ -1,4 +1,4 @@
-"""numpy's AVX2 sort on AMD Zen 4 (tokstream/cpu_dispatch.py): which CPUs, and what numpy then uses."""
+"""numpy's AVX2 sort on AMD Zen 4 (tokstream/train/cpu_dispatch.py): which CPUs, and what numpy then uses."""
 
 import json
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tokstream.cpu_dispatch import FEATURE, VARIABLE, is_zen4
+from tokstream.train.cpu_dispatch import FEATURE, VARIABLE, is_zen4
 
 ROOT = Path(__file__).resolve().parents[1]
 THIS_MACHINE_HAS_AVX512F = "avx512f" in Path("/proc/cpuinfo").read_text().split()
@@ -40,7 +40,7 @@ def numpy_after(cpu: str | None, feature: str | None = None, **env: str) -> dict
     """In a fresh interpreter: prefer_avx2_sort() given this cpuinfo (None: a machine without
     /proc/cpuinfo) and FEATURE, if given; then whether numpy may dispatch to any AVX-512 kernel, and
     the variable, as the process sees them."""
-    script = ("import json, os, pathlib\nfrom tokstream import cpu_dispatch\n"
+    script = ("import json, os, pathlib\nfrom tokstream.train import cpu_dispatch\n"
               + (f"cpu_dispatch.FEATURE = {feature!r}\n" if feature else "")
               + ("cpu_dispatch.CPUINFO = pathlib.Path('/nonexistent/cpuinfo')\n" if cpu is None else "")
               + f"changed = cpu_dispatch.prefer_avx2_sort({cpu!r})\n"
@@ -98,7 +98,7 @@ def test_a_numpy_that_refuses_to_leave_a_feature_out_is_imported_as_it_is():
 def test_training_chooses_before_anything_imports_numpy():
     # train/main.py's imports, then whether numpy was loaded by the time prefer_avx2_sort() runs
     script = (f"import sys, runpy\nsys.argv = [{str(ROOT / 'train/main.py')!r}]\n"
-              "from tokstream import cpu_dispatch\nreal = cpu_dispatch.prefer_avx2_sort\n"
+              "from tokstream.train import cpu_dispatch\nreal = cpu_dispatch.prefer_avx2_sort\n"
               "cpu_dispatch.prefer_avx2_sort = lambda: print('numpy' in sys.modules) or real()\n"
               f"runpy.run_path({str(ROOT / 'train/main.py')!r}, run_name='__main__')\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},

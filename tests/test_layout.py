@@ -133,7 +133,7 @@ def within(module: str, packages: tuple[str, ...]) -> bool:
 # switches numpy's sort kernel (cpu_dispatch), which must come before anything imports numpy.
 COMMAND_IMPORTS = {"convert": ("tokstream.convert", "tokstream.errors"),
                    "train": ("tokstream.train", "tokstream.errors")}
-BEFORE_NUMPY = {("train/main.py", "tokstream.cpu_dispatch")}
+BEFORE_NUMPY = {("train/main.py", "tokstream.train.cpu_dispatch")}
 
 
 def test_each_command_folder_stands_over_the_core_of_its_own_name():

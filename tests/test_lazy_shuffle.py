@@ -1,6 +1,6 @@
-"""tokstream/reader/order/feistel_window.py, the first lazy order: a shuffle computed where it is read (O(1) per position): a permutation of every
-epoch, the same at any position as in the whole array, keeping streaming's assignment of shards to canonical nodes,
-and read by stock StreamingDataset once registered (every sample once an epoch)."""
+"""tokstream/reader/order/feistel_window.py, the first lazy order: a shuffle computed where it is read (O(1) a
+position): a permutation of every epoch, the same at any position as in the whole array, keeping streaming's
+assignment of shards to canonical nodes."""
 
 import numpy as np
 import pytest

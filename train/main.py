@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
-from tokstream.cpu_dispatch import prefer_avx2_sort  # noqa: E402
+from tokstream.train.cpu_dispatch import prefer_avx2_sort  # noqa: E402
 
 prefer_avx2_sort()  # before anything imports numpy, which chooses its kernels once (AMD Zen 4 only)
 

@@ -60,20 +60,23 @@ def _ranks(offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray) -> np.ndarr
 
 
 def _feistel(offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    sizes_u = sizes.astype(np.uint64)
-    bits = _half_bits(sizes)
-    half_mask = (np.uint64(1) << bits) - np.uint64(1)
+    # The elements still walking, each with its own bits, mask, size and round keys, kept compact between passes.
+    at = np.arange(len(offsets))
+    x, size, b = offsets.astype(np.uint64), sizes.astype(np.uint64), _half_bits(sizes)
+    m = (np.uint64(1) << b) - np.uint64(1)
     round_keys = [mix(keys ^ np.uint64(0xA5A5A5A5 + r)) for r in range(ROUNDS)]
-    out = offsets.astype(np.uint64)
-    walking = np.ones(out.shape, bool)
-    while walking.any():
-        x, b, m = out[walking], bits[walking], half_mask[walking]
+    out = np.empty(len(offsets), np.int64)
+    while len(at):
         left, right = x >> b, x & m
         for round_key in round_keys:
-            left, right = right, left ^ (mix(right ^ round_key[walking]) & m)
-        out[walking] = (left << b) | right
-        walking[walking] = out[walking] >= sizes_u[walking]
-    return out.astype(np.int64)
+            left, right = right, left ^ (mix(right ^ round_key) & m)
+        x = (left << b) | right
+        inside = x < size
+        out[at[inside]] = x[inside].astype(np.int64)
+        walking = ~inside
+        at, x, size, b, m = at[walking], x[walking], size[walking], b[walking], m[walking]
+        round_keys = [round_key[walking] for round_key in round_keys]
+    return out
 
 
 def _half_bits(sizes: np.ndarray) -> np.ndarray:

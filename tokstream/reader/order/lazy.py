@@ -108,11 +108,15 @@ class EpochOrder:
                                            key(self.seed, self.epoch, _WINDOW, node, window))
         piece = np.searchsorted(self.piece_offsets, moved, side="right") - 1
         unit = self.piece_units[piece]
-        within = permutation(self.piece_within[piece] + moved - self.piece_offsets[piece], self.unit_sizes[unit],
-                             key(self.seed, self.epoch, _UNIT, self.unit_shards[unit], self.unit_nths[unit]))
+        within = self.piece_within[piece] + moved - self.piece_offsets[piece]
         shard = self.unit_shards[unit]
-        picked = self.unit_partial[unit]
-        if picked.any():  # a shard's part of a repeat: its first `take` under the shard's keyed bijection
-            within[picked] = permutation(within[picked], self.shard_sizes[shard[picked]],
-                                         key(self.seed, self.epoch, _PICK, shard[picked]))
+        # A whole repeat reads its shard under a keyed permutation (seed, epoch, shard, repeat); a shard's part of a
+        # repeat reads the first `take` of the shard's keyed permutation (seed, epoch, shard), which already picks
+        # them in a random order.
+        whole = ~self.unit_partial[unit]
+        within[whole] = permutation(within[whole], self.unit_sizes[unit[whole]],
+                                    key(self.seed, self.epoch, _UNIT, shard[whole], self.unit_nths[unit[whole]]))
+        picked = ~whole
+        within[picked] = permutation(within[picked], self.shard_sizes[shard[picked]],
+                                     key(self.seed, self.epoch, _PICK, shard[picked]))
         return self.shard_offsets[shard] + within

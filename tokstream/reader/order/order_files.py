@@ -4,7 +4,7 @@ In streaming's own orders (py1e and the others) the first rank of each node comp
 every epoch start and every resume: a minute or two and tens of GB per node at 880 M samples. Here the epoch's order
 (position -> sample id, before the partition deals it out: epoch_order.epoch_sequence) is written once into
 `order_dir` as a .npy file, uint32 where the ids fit, and every rank of this launch and of every relaunch maps it and
-reads only its own positions, through the partition in closed form (lazy_partition.py). While an epoch is read, the
+reads only its own positions, through the partition in closed form (partition.py). While an epoch is read, the
 next one's file is built by a process of its own, so an epoch's end waits for nothing that was not already running.
 
 The invariant: a file under an epoch's final name holds that epoch's whole order, for exactly the settings its name's

@@ -41,7 +41,7 @@ streaming does not promise to keep:
   partition for any world, computed in one process (`rank_orders`, for train/ledger.py);
 - `StreamingDataset._get_work`, `_parallel_worker_world` and `_unique_worker_world`: a dataset in the project's lazy
   shuffle, or whose orders are kept as files (order_files.py), gets its worker's ids computed as they are read
-  (`WindowedDownloadAhead._get_work`, lazy_order.py); the node's first worker starts the next epoch's file.
+  (`WindowedDownloadAhead._get_work`, order/lazy.py); the node's first worker starts the next epoch's file.
 
 To move to a new streaming version: read those names in its source, run the fast-reader and
 training tests (tests/test_fast_reader.py, tests/test_training.py), then add the version here.
@@ -444,7 +444,7 @@ class WindowedDownloadAhead(StreamingDataset):
 
     def _get_work(self, epoch: int, sample_in_epoch: int):
         """Stock's, but for a dataset in the project's lazy shuffle the worker's ids are computed as they are read
-        (lazy_order.py): no array of the epoch's size, nothing in shared memory, no wait for the node's first rank."""
+        (order/lazy.py): no array of the epoch's size, nothing in shared memory, no wait for the node's first rank."""
         from tokstream.reader.order import order_files
 
         if not (in_lazy_order(self) or kept_as_files(self)):
@@ -610,7 +610,7 @@ def in_lazy_order(dataset: StreamingDataset) -> bool:
 def worker_ids(dataset: StreamingDataset, nodes: int, ranks_per_node: int, workers_per_rank: int, epoch: int,
                sample_in_epoch: int, workers: list[tuple[int, int, int]], say: bool = True) -> list:
     """For a dataset in the lazy order or with its orders kept as files: each (node, rank, worker)'s ids of the epoch
-    from sample_in_epoch on, as streaming would hand them out, each slice computed when read (lazy_order.py). `say`:
+    from sample_in_epoch on, as streaming would hand them out, each slice computed when read (order/). `say`:
     whether this process warns of an order file it cannot write (a node's first worker does)."""
     from tokstream.reader.order import lazy_epoch_order
     from tokstream.reader.order import order_files
