@@ -63,12 +63,12 @@ def json_lines(done: subprocess.CompletedProcess) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
-def train(run_dir: Path, data: Path, steps: int) -> None:
+def train(run_dir: Path, data: Path, steps: int, *extra: str) -> None:
     """configs/tiny.yaml on one process over `data`, 8 samples a step, traced, to `steps` (a relaunch goes on)."""
     done = subprocess.run([sys.executable, str(ROOT / "train/main.py"), "configs/tiny.yaml", f"max_steps={steps}",
                            "optim.decay_steps=10", "checkpoint_interval=5", "eval_interval=0", "trace_samples=true",
                            "global_batch_size=8", "micro_batch_size=4", f"data.remote={data}",
-                           f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           f"run_dir={run_dir}", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
@@ -285,3 +285,26 @@ def test_the_ledger_checks_its_answer_against_what_the_run_recorded_reading(run,
         checked.close()
     done = ledger(tmp_path / "run", "--step", "7")
     assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("error: step 7: metrics.jsonl")
+
+
+def test_a_run_from_before_the_lazy_order_changed_is_answered_in_the_order_it_read(datasets, tmp_path):
+    """Before issue 51, `auto` read data past data.lazy_order_from in feistel_window, and a run's recorded config did
+    not say data.shuffle_auto_lazy. Such a run (trained here as `auto` then was, its manifests' config stripped of the
+    key as an old run's are) is answered by the ledger in feistel_window, the samples it read, not in today's lazy
+    order; and a relaunch goes on in it too (its checkpoints then record the key)."""
+    from tokstream.train.metrics import read_records
+
+    run_dir = tmp_path / "run"
+    then = ["data.lazy_order_from=1", "data.shuffle_auto_lazy=feistel_window"]
+    train(run_dir, datasets["a"], 5, *then)
+    for manifest in run_dir.glob("ckpt-*.manifest.json"):
+        saved = json.loads(manifest.read_text())
+        del saved["run"]["config"]["data"]["shuffle_auto_lazy"]
+        manifest.write_text(json.dumps(saved))
+    traced = [record["samples"] for record in read_records(run_dir)]
+    answered = json_lines(ledger(run_dir, "--steps", "1:5", "--json"))
+    assert [line["samples"] for line in answered] == traced
+    train(run_dir, datasets["a"], 8, "data.lazy_order_from=1")  # today's default: shuffle_auto_lazy=lazy
+    relaunched = json_lines(ledger(run_dir, "--steps", "1:8", "--json"))
+    assert [line["samples"] for line in relaunched] == [record["samples"] for record in read_records(run_dir)]
+

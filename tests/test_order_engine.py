@@ -42,11 +42,27 @@ def test_a_small_windows_permutation_is_uniform_in_pairs_too():
     assert abs(chi - dof) < 5 * math.sqrt(2 * dof), chi
 
 
-def test_a_keyed_permutation_of_a_huge_range_stays_inside_it():
+def test_a_keyed_permutation_of_a_huge_range_stays_inside_it_and_an_offset_outside_is_refused():
     size = (1 << 62) + 12345
     offsets = np.array([0, 1, size // 2, size - 1], np.int64)
     moved = permutation(offsets, np.full(4, size), np.full(4, key(3)))
     assert len(set(moved.tolist())) == 4 and (moved >= 0).all() and (moved < size).all()
+    for outside in (-1, 7, 1000):  # the walk would never land: refused, not a hang
+        with pytest.raises(ValueError, match="outside its range"):
+            permutation(np.array([outside]), np.array([7]), np.array([key(1)]))
+
+
+def test_an_epoch_past_what_int64_arithmetic_holds_or_a_position_outside_it_is_refused():
+    with pytest.raises(ValueError, match="does not fit"):
+        EpochOrder(np.full(2, 1 << 61), [2], [None], 1, 0, 2, 1 << 20)  # 2^62 samples over 2 nodes
+    order = EpochOrder(np.full(2, (1 << 61) - 1), [2], [None], 1, 0, 1, 1 << 20)  # 1 node: fits
+    last = order.at(np.array([order.epoch_size - 1, 0]))
+    assert (last >= 0).all() and (last < order.epoch_size).all()
+    for outside in (-1, order.epoch_size):
+        with pytest.raises(IndexError):
+            order.at(np.array([outside]))
+    with pytest.raises(ValueError, match="no samples"):
+        EpochOrder(np.array([5, 0]), [1, 1], [None, 3], 1, 0, 1, 16)
 
 
 @pytest.mark.parametrize("good, bad, sample", [(30, 70, 25), (7, 1000, 12), (1000, 3000, 800), (5, 5, 5)])

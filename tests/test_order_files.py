@@ -132,11 +132,15 @@ def damage(path, how: str) -> None:
     if how == "an id out of range, checksummed":  # as a builder with a bug would write it: the checksum matches
         import xxhash
 
-        digest = xxhash.xxh3_128(np.asarray(ids).tobytes()).digest()
+        digest = xxhash.xxh3_128(path.name.encode() + np.asarray(ids).tobytes()).digest()  # as _write computes it
         with open(path, "r+b") as handle:
             handle.seek(-16, os.SEEK_END)
             handle.write(digest)
     del ids
+    if how == "another epoch's file":  # whole, checksummed, of the right length: epoch 1's under epoch 0's name
+        other = path.with_name(path.name.replace("-epoch-0.npy", "-epoch-1.npy"))
+        assert wait_for(other.exists)  # built ahead by the first read
+        path.write_bytes(other.read_bytes())
     if how == "cut short":
         os.truncate(path, os.path.getsize(path) - 1)
     elif how == "another shape":
@@ -154,7 +158,8 @@ def an_epochs_file(mixture: DataConfig, directory) -> tuple[DataConfig, int, lis
 
 
 @pytest.mark.parametrize("how", ["halves swapped", "five ids overwritten", "an id out of range",
-                                 "an id out of range, checksummed", "cut short", "another shape"])
+                                 "an id out of range, checksummed", "cut short", "another shape",
+                                 "another epoch's file"])
 def test_a_damaged_order_file_is_rebuilt_with_one_line_naming_it_and_never_read(mixture, tmp_path, how):
     """Every file ends with a checksum of its ids, checked (with every id's range) before any process reads it: a
     relaunch after the file changed reads exactly what it would have read without files, and says which file it

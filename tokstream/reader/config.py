@@ -30,6 +30,9 @@ class DataConfig:
     # order (lazy, docs/scale.md) from there on; a run keeps the order it started in (feistel_window, the first lazy
     # order, stays for the runs and reader states read in it).
     shuffle_algo: str = "auto"
+    # The lazy order `auto` takes from lazy_order_from on. Part of a run's recorded config: a run whose checkpoints
+    # do not say it started before the lazy order of issue 51, when `auto` took feistel_window (resume_policy.py).
+    shuffle_auto_lazy: str = "lazy"
     lazy_order_from: int = 1 << 24
     shuffle_block_size: int | None = None
     # Where streaming's epoch orders are kept as files, built once per epoch and mapped by every rank and relaunch

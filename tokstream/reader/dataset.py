@@ -157,6 +157,11 @@ def open_dataset(config: DataConfig, vocab_size: int | None = None, block_size: 
     if config.shuffle_algo not in (AUTO_SHUFFLE, *shuffle_names()):  # else a KeyError in a DataLoader worker
         raise UserError(f"data.shuffle_algo={config.shuffle_algo!r} is not a shuffle streaming knows: give "
                         f"{AUTO_SHUFFLE} or one of {', '.join(shuffle_names())}")
+    from tokstream.reader.order import LAZY_ORDERS
+
+    if config.shuffle_auto_lazy not in LAZY_ORDERS:
+        raise UserError(f"data.shuffle_auto_lazy={config.shuffle_auto_lazy!r} is not one of the lazy orders: give "
+                        f"{' or '.join(LAZY_ORDERS)}")
     sources = mixture.sources(config)
     metadata, identities = [], []
     for source in sources:
@@ -189,9 +194,7 @@ def algo_for_size(config: DataConfig, split_samples: list[int]) -> str:
     """`auto`'s choice: streaming's py1e (its own order, kept as files when data.order_dir is set) below
     data.lazy_order_from samples in the train split, where computing it costs a node a second or so an epoch; the
     lazy order from there on, whose start-up does not grow with the data (docs/scale.md)."""
-    from tokstream.reader.order.lazy import NAME
-
-    return NAME if sum(split_samples) >= config.lazy_order_from else OLD_DEFAULT_ALGO
+    return config.shuffle_auto_lazy if sum(split_samples) >= config.lazy_order_from else OLD_DEFAULT_ALGO
 
 
 def val_split_holds_a_batch(samples: int, world_size: int, micro_batch_size: int) -> bool:

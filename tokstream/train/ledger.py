@@ -26,6 +26,7 @@ from tokstream.train.checkpoint import newest_run_record
 from tokstream.train.config import TrainConfig, apply_overrides, check_skips, config_from_dict
 from tokstream.train.metrics import read_records
 from tokstream.train.phases import Phase, Recipe, started
+from tokstream.train.resume_policy import keep_run_order
 from tokstream.train.run_store import open_run_store
 
 # What the ledger may be told: where the run's data lies on this machine. Anything else would change the order.
@@ -66,7 +67,7 @@ class Ledger:
             step, run = newest_run_record(store)
         if run is None:
             raise UserError(f"{run_dir} holds no checkpoint: the ledger reads a run's config from its checkpoints")
-        config = apply_overrides(config_from_dict(run["config"]), overrides)
+        config = keep_run_order(apply_overrides(config_from_dict(run["config"]), overrides), run["config"])
         records = {record["step"]: record for record in read_records(run_dir)}
         config = with_recorded_skips(config, records)
         try:

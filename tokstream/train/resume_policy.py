@@ -59,12 +59,20 @@ PHASE_SETTINGS = ("phases.*", "global_batch_size", "data.remote", "data.local", 
 
 
 def keep_run_order(config: TrainConfig, saved: dict) -> TrainConfig:
-    """`config` with the run's own data.shuffle_algo where this launch says `auto` and the run started in a named one
-    (before `auto` was the default, py1e was): `auto` never changes a run's order."""
+    """`config` in the order the run with the recorded config `saved` was read in: its own data.shuffle_algo where this
+    launch says `auto` and the run started in a named one (before `auto` was the default, py1e was); and `auto`'s
+    lazy order as the run recorded it (a config from before data.shuffle_auto_lazy: feistel_window), whatever this
+    launch says. `auto` never changes a run's order, neither for its relaunch nor for the ledger."""
+    data = config.data
     algo = saved["data"].get("shuffle_algo", AUTO_SHUFFLE)
-    if config.data.shuffle_algo != AUTO_SHUFFLE or algo == AUTO_SHUFFLE:
-        return config
-    return dataclasses.replace(config, data=dataclasses.replace(config.data, shuffle_algo=algo))
+    if data.shuffle_algo == AUTO_SHUFFLE and algo != AUTO_SHUFFLE:
+        data = dataclasses.replace(data, shuffle_algo=algo)
+    data = dataclasses.replace(data, shuffle_auto_lazy=saved["data"].get("shuffle_auto_lazy", FIRST_LAZY_ORDER))
+    return config if data == config.data else dataclasses.replace(config, data=data)
+
+
+# What `auto` took from data.lazy_order_from on before data.shuffle_auto_lazy was recorded (issue 51).
+FIRST_LAZY_ORDER = "feistel_window"
 
 
 def check_relaunch(saved: dict, config: TrainConfig, step: int) -> list[str]:

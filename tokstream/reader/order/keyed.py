@@ -40,6 +40,8 @@ def permutation(offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray) -> np.
     """Each offset (0 <= offset < its size) moved by the keyed bijection of [0, size) its key picks (int64)."""
     offsets, sizes, keys = np.broadcast_arrays(np.asarray(offsets, np.int64), np.asarray(sizes, np.int64),
                                                np.asarray(keys, np.uint64))
+    if offsets.size and ((offsets < 0) | (offsets >= sizes)).any():  # the walk would never land
+        raise ValueError("an offset outside its range [0, size) has no place in a permutation of it")
     out = np.empty(offsets.shape, np.int64)
     small = sizes <= EXACT_UP_TO
     if small.any():

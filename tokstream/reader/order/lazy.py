@@ -50,7 +50,7 @@ class EpochOrder:
         self.shard_offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         self._resample(sizes, shards_per_stream, chooses)
         self.epoch_size = int(self.unit_sizes.sum())
-        if self.epoch_size and (self.epoch_size + 1) * self.num_canonical_nodes >= 1 << 63:
+        if self.epoch_size * (self.num_canonical_nodes + 1) >= 1 << 63:  # windows()' largest intermediate
             raise ValueError(f"an epoch of {self.epoch_size} samples over {num_canonical_nodes} canonical nodes does "
                              "not fit the order's int64 arithmetic")
         self._lay_out()
@@ -63,6 +63,8 @@ class EpochOrder:
             stream_sizes = sizes[first:first + count]
             total = int(stream_sizes.sum())
             choose = total if chooses[stream] is None else int(chooses[stream])
+            if not total and choose:
+                raise ValueError(f"stream {stream} has no samples to give the {choose} its epoch takes")
             repeats, rest = divmod(choose, total) if total else (0, 0)
             takes = shard_counts(stream_sizes, rest, key_of(self.seed, self.epoch, stream, _RESAMPLE)) if rest else \
                 np.zeros(count, np.int64)
@@ -102,6 +104,8 @@ class EpochOrder:
     def at(self, positions: np.ndarray) -> np.ndarray:
         """The sample at each position (0 <= position < epoch_size) of the epoch's order."""
         positions = np.asarray(positions, np.int64)
+        if positions.size and (positions.min() < 0 or positions.max() >= self.epoch_size):
+            raise IndexError(f"positions from {positions.min()} to {positions.max()} in an epoch of {self.epoch_size}")
         node, window, window_start, size = windows(positions, self.epoch_size, self.num_canonical_nodes,
                                                    self.block_size)
         moved = window_start + permutation(positions - window_start, size,

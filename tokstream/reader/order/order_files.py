@@ -189,7 +189,7 @@ def build(inputs: OrderInputs, epoch: int, directory: str | Path, wait: bool = T
         sequence = inputs.compute(inputs, epoch)
         partial = path.parent / f".{path.name}@{_process_tag(os.getpid())}.partial"
         try:
-            _write(partial, sequence, dtype)
+            _write(partial, sequence, dtype, path.name)
             os.rename(partial, path)
             directory_fd = os.open(path.parent, os.O_RDONLY)
             try:
@@ -205,10 +205,11 @@ def build(inputs: OrderInputs, epoch: int, directory: str | Path, wait: bool = T
         lock.release()
 
 
-def _write(partial: Path, sequence: np.ndarray, dtype: type) -> None:
+def _write(partial: Path, sequence: np.ndarray, dtype: type, name: str) -> None:
     """The order as a .npy file and its checksum, synced (a full disk raises here, not at a later read of the mapped
-    file)."""
-    digest = xxhash.xxh3_128()
+    file). The checksum covers the file's final `name` (its settings' digest and epoch), then its ids: a whole file
+    copied under another epoch's or settings' name fails it too."""
+    digest = _checksum(name)
     with open(partial, "wb") as out:
         np.lib.format.write_array_header_1_0(out, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
                                                    "fortran_order": False, "shape": (len(sequence),)})
@@ -219,6 +220,11 @@ def _write(partial: Path, sequence: np.ndarray, dtype: type) -> None:
         out.write(CHECKSUM_TAG + digest.digest())
         out.flush()
         os.fsync(out.fileno())
+
+
+def _checksum(name: str):
+    """An order file's checksum before its ids: its final name's (the settings' digest and the epoch) first."""
+    return xxhash.xxh3_128(name.encode())
 
 
 def problem_with(path: Path, inputs: OrderInputs) -> str | None:
@@ -236,14 +242,14 @@ def problem_with(path: Path, inputs: OrderInputs) -> str | None:
         return f"holds {ids.shape} {ids.dtype}, not an epoch order of {inputs.epoch_size} samples"
     if size != ids.offset + ids.nbytes + CHECKSUM_BYTES or not footer.startswith(CHECKSUM_TAG):
         return "has no checksum after its ids (cut short, or not written by this version)"
-    digest, largest, smallest = xxhash.xxh3_128(), 0, 0
+    digest, largest, smallest = _checksum(path.name), 0, 0
     for at in range(0, len(ids), WRITE_CHUNK):
         chunk = np.asarray(ids[at:at + WRITE_CHUNK])
         digest.update(chunk.tobytes())
         if len(chunk):
             largest, smallest = max(largest, int(chunk.max())), min(smallest, int(chunk.min()))
     if digest.digest() != footer[len(CHECKSUM_TAG):]:
-        return "fails its checksum (changed since it was written)"
+        return "fails its checksum (changed since it was written, or written under another name)"
     samples = int(inputs.samples_per_shard.sum())
     if largest >= samples or smallest < 0:
         return f"holds sample id {largest if largest >= samples else smallest}, outside the dataset's {samples:,}"
