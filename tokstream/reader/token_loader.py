@@ -19,6 +19,7 @@ only ids cross the pipe.
 """
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -40,6 +41,26 @@ from tokstream.reader.transfer_ring import TransferRing
 TRANSFER_SAMPLES = 256
 
 
+# A preemption's notices: the rank's, never its workers'.
+NOTICES = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def notices_held() -> Iterator[None]:
+    """Notices held back in this thread while it starts a loader's workers. A worker inherits the mask: a notice sent
+    to the rank's process group before the worker ignores it (start_worker) stays pending there and is dropped,
+    where it would kill the worker (torch's handler re-raises SIGTERM's default action) and fail the rank's next
+    batch mid-step. The rank gets its own notice once the workers are started."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals go to the main thread's handlers; other threads start no rank's workers
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, NOTICES)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def start_worker(worker_id: int) -> None:
     """A DataLoader worker's start.
 
@@ -50,8 +71,9 @@ def start_worker(worker_id: int) -> None:
     sees a dead rank, but the worker then waits forever at exit for its queue's thread, blocked
     writing a batch into a pipe no one reads.
     """
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, signal.SIG_IGN)
+    for signum in NOTICES:
+        signal.signal(signum, signal.SIG_IGN)  # a notice held back since the fork (notices_held) is dropped here
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, NOTICES)
     streaming_door.install()  # a spawned worker starts from fresh modules (a forked one has it already)
     threading.Thread(target=_exit_with_rank, args=(os.getppid(),), name="exit-with-rank", daemon=True).start()
 
@@ -167,7 +189,8 @@ class TokenLoader(StreamingDataLoader):
         ring = self.dataset.ring = self._ring()  # before the workers fork: they inherit it
         with_workers = None
         try:
-            batches = DataLoader.__iter__(self)  # not StreamingDataLoader's: it would count transfers
+            with notices_held():  # the workers start here
+                batches = DataLoader.__iter__(self)  # not StreamingDataLoader's: it would count transfers
             if ring is not None and self.pins:
                 ring.pin()  # the workers have forked
             if self.num_workers:
