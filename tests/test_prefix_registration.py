@@ -14,6 +14,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from conftest import ROOT, namespaces_permitted
@@ -165,3 +166,40 @@ leftover.close(), leftover.unlink()
 def test_a_prefix_where_a_block_appears_between_scan_and_claim_is_given_up(dataset, tmp_path):
     read = in_a_node_of_its_own(RACE, dataset, tmp_path)
     assert read == {"calls": [0, 1], "prefix": 1, "left": ["000000_next_epoch"]}  # its claim on 0 taken back
+
+
+def test_a_rank_attaching_to_a_block_its_creator_has_not_sized_yet_waits_for_it(monkeypatch):
+    """Every rank of a node creates a dataset's barrier and arrays (streaming's SharedMemory with create=None), and
+    attaches, one TICK later, where another rank created the block first. A creator descheduled between creating and
+    sizing the block (a loaded node) left it empty, and the attach failed with "cannot mmap an empty file": a job
+    of three started together died that way in CI. Here the creator stops 0.3 s before sizing it."""
+    import _posixshmem
+    from streaming.base.shared import SharedMemory as StreamingSharedMemory
+
+    from tokstream.reader import streaming_door
+    from tokstream.reader.streaming_door import streaming_internals as internals
+
+    streaming_door.install()
+    name = f"tokstream-test-unsized-{os.getpid()}"
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+
+    def size_it_late():
+        time.sleep(0.3)
+        os.ftruncate(fd, 8)
+        os.pwrite(fd, b"written!", 0)
+
+    creator = threading.Thread(target=size_it_late)
+    try:
+        creator.start()
+        attached = StreamingSharedMemory(name, None, 8, auto_cleanup=False)
+        creator.join()
+        assert bytes(attached.buf[:8]) == b"written!"
+        attached.shm.close()
+        os.ftruncate(fd, 0)  # a creator that never sizes it: the attach gives up, with stock's error
+        monkeypatch.setattr(internals, "SIZING_WAIT_S", 0.05)
+        with pytest.raises(ValueError, match="empty file"):
+            StreamingSharedMemory(name, None, 8, auto_cleanup=False)
+    finally:
+        creator.join()
+        os.close(fd)
+        _posixshmem.shm_unlink("/" + name)

@@ -38,3 +38,4 @@ def install() -> None:
         internals.install_shuffle(name, whole_epoch(name))
     internals.install_prefix_registration(prefix_registration.get_shm_prefix_claimed)
     internals.install_file_lock()
+    internals.install_sized_attach()

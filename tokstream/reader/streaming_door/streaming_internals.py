@@ -33,6 +33,9 @@ streaming does not promise to keep:
   replaced (`install_prefix_registration`) by prefix_registration.py's, which repeats stock's scan
   (`first_free_prefix`: `_check_self`, then /dev/shm read by name) on its block layout (`_get_path`,
   `_pack_locals`);
+- `streaming.base.shared.memory.BuiltinSharedMemory`, the class streaming's SharedMemory creates or attaches
+  blocks with: SizedBlock in its place (`install_sized_attach`), which waits for a block its creator has not
+  sized yet;
 - the SharedMemory blocks a dataset holds, which stock keeps until exit through atexit: released when
   the dataset closes or goes (`shared_memory_blocks`, `release_shared_memory`);
 - `StreamingDataset._resume` and what it sets from a resume state: answered from the loading process's
@@ -66,6 +69,7 @@ import streaming.base.batching as streaming_batching_module
 from streaming.base.batching import generate_work
 import streaming.base.dataset as streaming_dataset_module
 import streaming.base.shared.barrier as streaming_barrier_module
+import streaming.base.shared.memory as streaming_memory_module
 import streaming.base.shuffle as streaming_shuffle_module
 import streaming.base.stream as streaming_stream_module
 from streaming import StreamingDataset
@@ -190,6 +194,37 @@ def install_spanner(spanner_class) -> None:
 def install_file_lock() -> None:
     streaming_dataset_module.FileLock = PromptFileLock  # the name a dataset's cache lock (0.13: and barrier's) comes from
     streaming_barrier_module.FileLock = PromptFileLock  # and a barrier's own (streaming-community 0.14 makes it there)
+
+
+class SizedBlock(streaming_memory_module.BuiltinSharedMemory):
+    """A shared-memory block that, attached while its creator has created but not yet sized it, waits for the size.
+
+    Stock's SharedMemory, asked to create a block that exists, sleeps one TICK (7 ms) and attaches: every rank of a
+    node creates a dataset's barrier and arrays that way, whichever comes first. A creator descheduled between
+    creating the block and sizing it for longer than that (a loaded node) leaves it empty, and the attach fails
+    with "cannot mmap an empty file", ending the job at start."""
+
+    def __init__(self, name: str | None = None, create: bool = False, size: int = 0):
+        waited = 0.0
+        while True:
+            try:
+                super().__init__(name, create, size)
+                return
+            except ValueError as err:
+                if create or "empty file" not in str(err) or waited >= SIZING_WAIT_S:
+                    raise
+            if self._fd >= 0:  # the failed attach's descriptor
+                os.close(self._fd)
+                self._fd = -1
+            time.sleep(TICK)
+            waited += TICK
+
+
+SIZING_WAIT_S = 60.0  # a creator stopped that long between creating a block and sizing it is taken as dead
+
+
+def install_sized_attach() -> None:
+    streaming_memory_module.BuiltinSharedMemory = SizedBlock  # the name streaming's SharedMemory creates blocks from
 
 
 def install_prefix_registration(get_shm_prefix) -> None:
