@@ -126,7 +126,7 @@ def test_config_overrides_are_typed_and_checked():
     config = load_config(str(ROOT / "configs/tiny.yaml"), ["data.remote=/x", "max_steps=7", "optim.lr=1e-3",
                                                            "trace_samples=true", "data.local=/cache"])
     assert (config.max_steps, config.optim.lr, config.trace_samples, config.data.local) == (7, 1e-3, True, "/cache")
-    for bad, message in (["data.remot=/x"], "unknown config key 'data.remot'; valid here: remote, local, split"), (["max_steps=lots"], "must be int"):
+    for bad, message in (["data.remot=/x"], "unknown config key 'data.remot'; valid here: remote, local, split"), (["max_steps=lots"], "must be a whole number"):
         try:
             load_config(str(ROOT / "configs/tiny.yaml"), bad)
         except UserError as err:

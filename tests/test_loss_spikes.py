@@ -122,7 +122,7 @@ def test_a_rewind_with_a_skip_trains_as_a_run_that_always_skipped_and_keeps_the_
         [samples(m) for m in branch_metrics]
     check_dashboards(run_dir, branch_metrics, stopped)
     # Each launch's first line says where it took over and why; the plot marks them, and the skip, on the curve.
-    assert branch_metrics[8]["relaunch"] == {"from_step": 8, "after": "rewind"}
+    assert branch_metrics[8]["relaunch"] == {"from_step": 8, "after": "rewind", "skip_steps": [[9, 11]]}
     assert branch_metrics[stopped]["relaunch"] == {"from_step": stopped, "after": "preemption"}
     assert sum("relaunch" in m for m in branch_metrics) == 2
     from train.plot import plot_runs

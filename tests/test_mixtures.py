@@ -41,9 +41,9 @@ def test_streams_are_set_in_yaml_or_item_by_item_on_the_command_line(tmp_path):
                                                                           ("b", "choose", 7)]
     assert "data.streams has 2 items, so data.streams.0 to data.streams.2 (which appends one), not " \
            "data.streams.5" in refusal(lambda: mixture_config("data.streams.5.remote=/x"))
-    assert "data.streams.0.proportion must be float, got 'lots'" in refusal(
+    assert "data.streams.0.proportion must be a number, got 'lots'" in refusal(
         lambda: mixture_config("data.streams.0.proportion=lots"))
-    assert "data.streams.1.choose must be int, got 2.5" in refusal(lambda: mixture_config("data.streams.1.choose=2.5"))
+    assert "data.streams.1.choose must be a whole number, got 2.5" in refusal(lambda: mixture_config("data.streams.1.choose=2.5"))
     assert "unknown config key 'data.streams.0.weight'" in refusal(lambda: mixture_config("data.streams.0.weight=1"))
 
 

@@ -167,7 +167,10 @@ def _apply(target: object, key: str, value: object, where: str, prefix: str = ""
         value = _whole_number(value)  # token counts: 4.0e6, or 4e6 (a string to YAML)
     if expected is not None and value is not None and (not isinstance(value, expected) or
                                                        (expected is int and isinstance(value, bool))):
-        raise UserError(f"{where}: {full} must be {expected.__name__}, got {value!r}")
+        if full == "skip_steps":
+            check_skips(value)  # its own line: 12:14 is a number to YAML
+        what = {int: "a whole number", float: "a number", str: "text"}.get(expected, expected.__name__)
+        raise UserError(f"{where}: {full} must be {what}, got {value!r}")
     _check_plain(value, f"{where}: {full}")
     setattr(target, head, value)
 
@@ -271,7 +274,7 @@ RANGES = {
     "eval_batches": (1, True, None, ""), "checkpoint_interval": (1, True, None, ""),
     "keep_checkpoints": (0, True, None, "0 keeps every checkpoint"), "keep_every": (0, True, None, "0 keeps none"),
     "resume_from": (0, True, None, "a checkpoint's step"), "guard.zscore": (0, True, None, "0 turns the guard off"),
-    "guard.window": (1, True, None, ""), "guard.rewind": (0, True, None, ""), "guard.skip": (1, True, None, ""), "preempt_grace_s": (0, False, None, ""),
+    "guard.window": (16, True, None, "a step is judged once the window holds 16 steps"), "guard.rewind": (0, True, None, ""), "guard.skip": (1, True, None, ""), "preempt_grace_s": (0, False, None, ""),
     "lease_interval_s": (0, False, None, ""),
     "model.vocab_size": (1, True, None, ""), "model.block_size": (1, True, None, ""), "model.n_layer": (1, True, None, ""),
     "model.n_head": (1, True, None, ""), "model.n_embd": (1, True, None, ""), "model.dropout": (0, True, 1, ""),
@@ -287,9 +290,13 @@ RANGES = {
 }
 
 
-def check_skips(skips: object) -> None:
-    """skip_steps: pairs [A, B] of steps counted from 1, A <= B, in order and apart; one line refusing anything else."""
+def check_skips(skips: object, max_steps: int | None = None) -> None:
+    """skip_steps: pairs [A, B] of steps counted from 1, A <= B <= max_steps, in order and apart; one line refusing
+    anything else."""
     example = "e.g. skip_steps=[[1200,1450]]"
+    if isinstance(skips, int) and not isinstance(skips, bool):
+        raise UserError(f"skip_steps must be a list of [first, last] pairs, got {skips!r} (YAML reads A:B as a number "
+                        f"in base 60): {example}")
     if not isinstance(skips, list):
         raise UserError(f"skip_steps must be a list of [first, last] pairs, got {skips!r}: {example}")
     previous = 0
@@ -305,6 +312,9 @@ def check_skips(skips: object) -> None:
         if pair[0] <= previous:
             raise UserError(f"skip_steps: {pair!r} starts at or before the end of the skip before it ({previous}): "
                             "list the skips in order, apart")
+        if max_steps is not None and pair[1] > max_steps:
+            raise UserError(f"skip_steps: {pair!r} ends past max_steps={max_steps}: a skip leaves out steps the run "
+                            "trains, so it ends at max_steps at the latest (a typo?)")
         previous = pair[1]
 
 
@@ -350,7 +360,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
             _apply(config, str(key), value, path)
     apply_overrides(config, overrides)
     check_ranges(config)
-    check_skips(config.skip_steps)
+    check_skips(config.skip_steps, config.max_steps)
     if config.guard.action not in ("skip", "stop"):
         raise UserError(f"guard.action must be skip (the spike's update is not applied) or stop (exit 65 with the "
                         f"command that rewinds and skips), got {config.guard.action!r}")

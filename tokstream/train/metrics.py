@@ -73,6 +73,11 @@ def read_records(run_dir: str | os.PathLike) -> list[dict]:
     return [record for _, record in _records(text, f"{str(run_dir).rstrip('/')}/{METRICS_FILE}") if record is not None]
 
 
+def parse_records(data: bytes, where: object) -> list[dict]:
+    """The step records in a copy of metrics.jsonl (damaged lines skipped, with a warning naming `where`)."""
+    return [record for _, record in _records(data.decode(errors="replace"), where) if record is not None]
+
+
 def run_metrics(run_dir: str) -> list[dict]:
     """read_records(run_dir), refused in one line when it holds none (no run there, or none logged yet)."""
     path = Path(run_dir) / METRICS_FILE

@@ -197,6 +197,15 @@ class Recipe:
     def block_size(self, phase: Phase) -> int:
         return self.dataset(phase).metadata[0].block_size
 
+    def changes_statistics(self, phase: Phase) -> bool:
+        """Whether `phase` reads other data, batches or blocks than the phase before it: the loss and gradient norm
+        move by design at its start (the spike guard starts its window again)."""
+        if phase.index == 0:
+            return False
+        before = self.phases[phase.index - 1]
+        return (phase.data != before.data or phase.global_batch_size != before.global_batch_size
+                or self.block_size(phase) != self.block_size(before))
+
     def plan(self, phase: Phase) -> BatchPlan:
         """The phase's step: its global batch cut into micro-batches over the ranks (check_plans says why not)."""
         return BatchPlan(phase.global_batch_size, self.micro_batch_size, self.world_size)

@@ -16,15 +16,15 @@ from pathlib import Path
 
 from tokstream.errors import UserError
 from tokstream.train.checkpoint_files import HASH, Survey, checkpoint_name, manifest_name, mismatch, read_manifest
-from tokstream.train.metrics import METRICS_FILE
+from tokstream.train.metrics import METRICS_FILE, parse_records
 from tokstream.train.run_store import POINTER, LocalRunStore, RunStore
 
 ABANDONED = "abandoned"
 
 
-def rewind(store: RunStore, step: int) -> str | None:
-    """Move aside what the run wrote after checkpoint `step` unless it is this rewind's own branch; the line that
-    says where, or None when there was nothing to move."""
+def rewind(store: RunStore, step: int, skips: list | None = None) -> str | None:
+    """Move aside what the run wrote after checkpoint `step` unless it is this rewind's own branch (resumed at `step`
+    with skip_steps `skips`); the line that says where, or None when there was nothing to move."""
     survey = Survey.of(store)
     if survey.complete and on_branch(store, survey.complete[-1], step):
         return None  # the branch this rewind began goes on (its checkpoint at `step` may have been retired since)
@@ -33,21 +33,37 @@ def rewind(store: RunStore, step: int) -> str | None:
         raise UserError(f"resume_from={step}: the run has no complete checkpoint at step {step} (it has {have}); "
                         "give one of those steps (keep_checkpoints=0, or keep_every, keeps older ones)")
     later = sorted({s for s in survey.complete + survey.without_manifest + survey.stray_manifests if s > step})
-    if not later:
+    if not later and not _lines_of_another_branch(store, step, skips):
         return None
     problem = _target_problem(store, step)
     if problem is not None:
         raise UserError(f"resume_from={step}: the checkpoint at step {step} is damaged ({problem}); nothing was moved: "
                         "give another step")
-    folder = f"{ABANDONED}/after-{step:08d}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    # Microseconds: a guard that rewinds by itself may rewind twice in a second; the names sort as they were made.
+    now = time.time()
+    folder = f"{ABANDONED}/after-{step:08d}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}{int(now % 1 * 1e6):06d}-{os.getpid()}"
     # Data files before manifests: a move cut off leaves a manifest without data, never the reverse.
     moved = [name for later_step in later for name in (checkpoint_name(later_step), manifest_name(later_step))]
     store.set_aside([METRICS_FILE, POINTER], moved, folder)
     store.publish_bytes(POINTER, json.dumps({"checkpoint": checkpoint_name(step), "step": step}).encode())
     where = f"{store.url.rstrip('/')}/{folder}" if not isinstance(store, LocalRunStore) else (
         store.root / folder if store.root.parent == Path(".") else (store.root / folder).relative_to(store.root.parent))
-    return (f"resume_from={step}: rewound; checkpoints {', '.join(map(str, later))} and metrics.jsonl as it was "
-            f"moved to {where}")
+    if later:
+        what = f"checkpoints {', '.join(map(str, later))} and metrics.jsonl as it was moved"
+    else:
+        what = "no checkpoint came after it; metrics.jsonl as it was (the steps after it) copied"
+    return f"resume_from={step}: rewound; {what} to {where}"
+
+
+def _lines_of_another_branch(store: RunStore, step: int, skips: list | None) -> bool:
+    """Whether metrics.jsonl holds steps after `step` that another branch trained (a rewind to the newest checkpoint
+    moves no checkpoint, but the relaunch cuts those lines): not when they begin with this branch's own relaunch."""
+    records = [record for record in parse_records(store.read_bytes(METRICS_FILE) or b"", METRICS_FILE)
+               if record["step"] > step]
+    if not records:
+        return False
+    began = records[0].get("relaunch") or {}
+    return began != {"from_step": step, "after": "rewind", "skip_steps": [list(pair) for pair in skips or []]}
 
 
 def _target_problem(store: RunStore, step: int) -> str | None:

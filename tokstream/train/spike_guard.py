@@ -3,9 +3,11 @@
 
 Every rank judges alike: the loss is the ranks' mean and the gradient norm is taken after the all-reduce. The window
 is part of the checkpoint, so a resumed run judges each step as the uninterrupted run did. A spike does not enter the
-window (it would widen the very deviation it is measured by).
+window (it would widen the very deviation it is measured by). The window starts again where the statistics move by
+design: at a phase that changes the data, batch or block, and after a rewind.
 """
 
+import json
 import math
 from collections import deque
 
@@ -30,6 +32,11 @@ class SpikeGuard:
         self.norms.append(grad_norm)
         return None
 
+    def reset(self) -> None:
+        """Judge from here on against what comes next: a phase that changes the data, batch or block, or a rewind."""
+        self.losses.clear()
+        self.norms.clear()
+
     def state_dict(self) -> dict:
         return {"losses": list(self.losses), "norms": list(self.norms)}
 
@@ -46,3 +53,41 @@ def _zscore(value: float, history: deque) -> float | None:
     if not math.isfinite(value):
         return math.inf
     return (value - mean) / spread if spread > 0 else (0.0 if value == mean else math.inf)
+
+
+def skips_with_spike(skips: list[list[int]], spike: int, skip: int, max_steps: int) -> list[list[int]]:
+    """skip_steps that also leave out `skip` steps' data from the spike on: sorted, overlaps joined, none past
+    max_steps. A spike at or inside a skip [a, b] read data b - a + 1 steps on: that skip grows by `skip` (the format
+    has one jump per skip, at its first step); elsewhere [spike, spike + skip - 1] is added."""
+    skips = sorted([list(pair) for pair in skips])
+    holding = next((pair for pair in skips if pair[0] <= spike <= pair[1]), None)
+    if holding is not None:
+        holding[1] = min(holding[1] + skip, max_steps)
+    else:
+        skips.append([spike, min(spike + skip - 1, max_steps)])
+        skips.sort()
+    merged: list[list[int]] = []
+    for first, last in skips:
+        if merged and first <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], last)
+        else:
+            merged.append([first, last])
+    return merged
+
+
+def advice(saved: list[int], spike: int, skips: list[list[int]], rewind: int, skip: int, max_steps: int) -> str:
+    """What to relaunch with after a spike at `spike` (guard.action stop): the newest of the `saved` checkpoints at
+    least `rewind` steps before the spike (or the nearest before it, said so), and the skips with the spike's; the
+    checkpoint comes before every skip that changes, which a relaunch must not have trained."""
+    new_skips = skips_with_spike(skips, spike, skip, max_steps)
+    changed = [pair for pair in new_skips if pair not in [list(old) for old in skips]]
+    limit = min((pair[0] for pair in changed), default=spike) - 1  # the newest checkpoint whose run has not begun a changed skip
+    far = [step for step in saved if step <= min(limit, spike - 1 - rewind)]
+    near = [step for step in saved if step <= limit]
+    settings = "skip_steps=" + json.dumps(new_skips, separators=(",", ":"))
+    if far:
+        return f"relaunch with: resume_from={max(far)} {settings}"
+    if near:
+        return (f"relaunch with: resume_from={max(near)} {settings} (no kept checkpoint is guard.rewind={rewind} steps "
+                f"before it: step {max(near)} is the newest before step {limit + 1})")
+    return (f"no kept checkpoint comes before step {limit + 1}: train again in a new run_dir with {settings}")

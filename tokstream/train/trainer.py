@@ -36,7 +36,7 @@ from tokstream.train.phases import Phase, Recipe
 from tokstream.train.preemption import PreemptionWatch
 from tokstream.train.resume_policy import check_relaunch, keep_run_order
 from tokstream.train.rewind import rewind, rewind_target
-from tokstream.train.spike_guard import SpikeGuard
+from tokstream.train.spike_guard import SpikeGuard, advice
 from tokstream.train.run_lease import RunLease
 from tokstream.train.rng import RankRNG
 from tokstream.train.run_store import RunStore, S3RunStore, open_run_store
@@ -100,7 +100,7 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
         target = rewind_target(store, config.resume_from)
         if target is not None:  # a refused relaunch changes nothing: checked against the target before any move
             config, recipe = check_resume(config, recipe, dist, target, target["progress"]["step"])
-        rewound = rewind_when_asked(store, config.resume_from, dist)
+        rewound = rewind_when_asked(store, config.resume_from, config.skip_steps, dist)
     checkpoint_url, saved = find_latest(store, dist)
     recipe.check_plans(saved["progress"]["step"] if saved is not None else 0)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
@@ -158,10 +158,14 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
         # the branch's first checkpoint.
         after = "rewind" if rewound or config.resume_from == progress.step else progress.stopped_by or "restart"
         relaunch = {"from_step": progress.step, "after": after}
+        if after == "rewind":  # the branch's first line: a rewind to the same step in another branch moves it aside
+            relaunch["skip_steps"] = [list(pair) for pair in config.skip_steps]
         known = not in_store or progress.stopped_by in ("preemption", "end")
         takeover = Takeover(progress.step, logged_to > progress.step or not known,
                             f"{'rewound to' if after == 'rewind' else 'relaunched from'} step {progress.step} ({after})")
         progress.stopped_by = None  # this launch's own checkpoints say nothing of it
+        if after == "rewind" and guard is not None:  # the branch's data differs from the step it rewound to on
+            guard.reset()
     dashboards = Dashboards.open(config, dashboard_state, takeover, store.local, dist.master)
     run = Run(config, dist, recipe, raw_model, model, optimizer, batches, progress, store, checkpointer, metrics,
               PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None, lease, guard=guard,
@@ -199,6 +203,8 @@ def enter_phase(run: Run, step: int) -> str | None:
         epoch = run.batches.batches.epoch_samples
         run.val_weights = {name: epoch[dataset.source_names.index(name)] / sum(epoch) for name in run.val_loaders}
         run.source_names = dataset.source_names
+    if run.guard is not None and step == phase.start_step and run.recipe.changes_statistics(phase):
+        run.guard.reset()
     run.phase, run.plan = phase, run.recipe.plan(phase)
     return run.recipe.describe(phase) if len(run.recipe.phases) > 1 else None
 
@@ -291,13 +297,13 @@ def check_resume(config: TrainConfig, recipe: Recipe, dist: Distributed, saved: 
     return config, recipe
 
 
-def rewind_when_asked(store: RunStore, step: int, dist: Distributed) -> bool:
+def rewind_when_asked(store: RunStore, step: int, skips: list, dist: Distributed) -> bool:
     """resume_from: rank 0 moves aside what the run wrote after checkpoint `step` (rewind.py), under the lease; every
     rank stops if it cannot. Whether it rewound (not when the run is already on that branch)."""
     said, refusal = None, None
     if dist.master:
         try:
-            said = rewind(store, step)
+            said = rewind(store, step, skips)
         except (UserError, StoreError) as err:
             refusal = str(err)
     said, refusal = dist.gather((said, refusal))[0]
@@ -408,9 +414,9 @@ def train(config: TrainConfig) -> int:
 class SpikeStop(Exception):
     """The guard found step `step` (counted from 1) a spike, with guard.action stop: its update is not applied."""
 
-    def __init__(self, step: int, scores: dict):
+    def __init__(self, step: int, scores: dict, loss: float, grad_norm: float):
         super().__init__(step)
-        self.step, self.scores = step, scores
+        self.step, self.scores, self.loss, self.grad_norm = step, scores, loss, grad_norm
 
 
 def stop_at_spike(run: Run, spike: SpikeStop, bar: tqdm) -> None:
@@ -420,14 +426,19 @@ def stop_at_spike(run: Run, spike: SpikeStop, bar: tqdm) -> None:
     bar.close()
     if not run.dist.master:
         return
+    # The evidence, beside the steps before it: the step's line (not trained: "update": "stopped"), kept under
+    # abandoned/ by the rewind its advice starts; for an S3 run uploaded now, as a checkpoint would.
+    record = {"step": spike.step, "loss": spike.loss, "grad_norm": spike.grad_norm,
+              "guard": {**spike.scores, "update": "stopped"}}
+    run.metrics.write(record)
+    run.dashboards.write(record)
+    if isinstance(run.store, S3RunStore):
+        run.store.publish_bytes(METRICS_FILE, run.metrics.path.read_bytes())
     guard = run.config.guard
     saved = [step for step in Survey.of(run.store).complete if step < spike.step]
-    target = max((step for step in saved if step <= spike.step - 1 - guard.rewind), default=max(saved, default=None))
-    skips = [*run.config.skip_steps, [spike.step, spike.step + guard.skip - 1]]
-    settings = ([f"resume_from={target}"] if target is not None else []) + [
-        "skip_steps=" + json.dumps(skips, separators=(",", ":"))]
+    said = advice(saved, spike.step, run.config.skip_steps, guard.rewind, guard.skip, run.config.max_steps)
     print(f"loss spike at step {spike.step} ({', '.join(f'{k} {v}' for k, v in spike.scores.items())}): stopped, its "
-          f"update not applied; to rewind and leave out its data, relaunch with: {' '.join(settings)}")
+          f"update not applied; to rewind and leave out its data, {said}")
 
 
 def skip_when_due(run: Run) -> dict | None:
@@ -518,7 +529,7 @@ def train_step(run: Run) -> dict:
     spike = run.guard.judge(loss, grad_norm) if run.guard is not None else None
     if spike is not None and config.guard.action == "stop":
         optimizer.zero_grad(set_to_none=True)
-        raise SpikeStop(run.progress.step + 1, spike)
+        raise SpikeStop(run.progress.step + 1, spike, loss, grad_norm)
     if spike is None:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

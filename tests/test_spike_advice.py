@@ -1,0 +1,135 @@
+"""What the loss-spike guard tells a person at 3 a.m., and what a rewind keeps, checked where it is decided (fast,
+in-process): every advice is accepted when pasted, a rewind to the newest checkpoint keeps the lines it cuts, and a
+setting that would silently do nothing is refused. The end-to-end runs are in test_loss_spikes.py."""
+
+import json
+
+import pytest
+import torch
+
+from tokstream.errors import UserError
+from tokstream.train.checkpoint_files import Survey, write_checkpoint
+from tokstream.train.config import load_config
+from tokstream.train.metrics import METRICS_FILE, parse_records
+from tokstream.train.resume_policy import check_relaunch
+from tokstream.train.rewind import ABANDONED, abandoned_records, rewind
+from tokstream.train.run_store import LocalRunStore, S3RunStore
+from tokstream.train.spike_guard import MIN_HISTORY, SpikeGuard, advice, skips_with_spike
+
+BASE = ["data.remote=d", "max_steps=300"]
+
+
+def pasted(line: str) -> list[str]:
+    """The settings an advice line tells the user to relaunch with."""
+    assert line.startswith("relaunch with: "), line
+    return line[len("relaunch with: "):].split(" (")[0].split()
+
+
+@pytest.mark.parametrize("skips,spike", [
+    ([], 50), ([[36, 37]], 32), ([[36, 37]], 36), ([[36, 37]], 37), ([[36, 37]], 34), ([[10, 12], [36, 37]], 37),
+    ([[36, 90]], 60), ([[36, 37]], 299), ([[36, 37], [200, 210]], 100)])
+def test_every_advice_is_accepted_when_pasted_and_leaves_the_spikes_data_out(skips, spike):
+    """The advice after a spike at `spike` with skip_steps `skips` already set: pasted as printed, the relaunch is
+    accepted (the config's own checks, and the relaunch policy against the checkpoint it names, which has not begun
+    any skip that changes), and the spike step reads data guard.skip steps or more past what it read."""
+    saved = list(range(10, spike, 10))
+    original = load_config(None, [*BASE, f"skip_steps={json.dumps(skips)}"])
+    settings = pasted(advice(saved, spike, skips, rewind=20, skip=5, max_steps=300))
+    relaunch = load_config(None, [*BASE, *settings])  # refused in one line if the advice were not a valid setting
+    target = int(settings[0].removeprefix("resume_from="))
+    assert target in saved and target < spike
+    check_relaunch(original.to_dict(), relaunch, target)  # raises if it changed a skip the checkpoint has begun
+
+    def jump(skip_steps, step):  # steps of data a step reads past its number (a skip jumps at its first step)
+        return sum(last - first + 1 for first, last in skip_steps if first <= step)
+    if max(last for _, last in relaunch.skip_steps) < 300:  # not cut short by max_steps
+        assert jump(relaunch.skip_steps, spike) >= jump(skips, spike) + 5
+    assert all(last <= 300 for _, last in relaunch.skip_steps)
+
+
+def test_the_spikes_skip_is_merged_sorted_joined_and_ends_at_max_steps():
+    assert skips_with_spike([[36, 37]], 32, 3, 100) == [[32, 34], [36, 37]]
+    assert skips_with_spike([[36, 37]], 36, 3, 100) == [[36, 40]]  # at a skip's first step: it grows
+    assert skips_with_spike([[36, 37]], 37, 3, 100) == [[36, 40]]  # inside it: the same
+    assert skips_with_spike([[36, 37]], 34, 3, 100) == [[34, 37]]  # overlapping the next: joined
+    assert skips_with_spike([], 31, 200, 40) == [[31, 40]]  # never past max_steps (it would be refused)
+
+
+def test_the_advice_says_when_no_checkpoint_is_guard_rewind_steps_back_and_when_none_comes_before():
+    said = advice([10, 20, 30], 37, [[36, 37]], rewind=100, skip=3, max_steps=100)
+    assert said == ("relaunch with: resume_from=30 skip_steps=[[36,40]] (no kept checkpoint is guard.rewind=100 steps "
+                    "before it: step 30 is the newest before step 36)")
+    assert advice([], 37, [], rewind=100, skip=3, max_steps=100) == (
+        "no kept checkpoint comes before step 37: train again in a new run_dir with skip_steps=[[37,39]]")
+
+
+def refusal(*settings: str) -> str:
+    with pytest.raises(UserError) as refused:
+        load_config(None, ["data.remote=d", *settings])
+    return str(refused.value)
+
+
+def test_settings_that_would_silently_do_nothing_are_refused_in_one_line():
+    assert refusal("guard.window=8") == ("guard.window must be a whole number at least 16, got 8 (a step is judged "
+                                         f"once the window holds {MIN_HISTORY} steps)")
+    assert refusal("max_steps=24", "skip_steps=[[22,1000000000]]") == (
+        "skip_steps: [22, 1000000000] ends past max_steps=24: a skip leaves out steps the run trains, so it ends at "
+        "max_steps at the latest (a typo?)")
+    assert "YAML reads A:B as a number in base 60" in refusal("skip_steps=12:14")
+    assert refusal("resume_from=4.5") == "command line: resume_from must be a whole number, got 4.5"
+    load_config(None, ["data.remote=d", "guard.window=16", "max_steps=24", "skip_steps=[[22,24]]"])
+
+
+def test_the_guard_judges_again_only_once_its_window_refills_after_a_reset():
+    guard = SpikeGuard(zscore=3, window=32)
+    for step in range(40):
+        assert guard.judge(1.0 + 0.01 * (step % 3), 1.0) is None
+    assert guard.judge(50.0, 1.0) is not None  # judged: a spike
+    guard.reset()  # a phase that changes the data, or a rewind
+    for _ in range(MIN_HISTORY):
+        assert guard.judge(50.0, 1.0) is None  # not judged against the old statistics: joins the new window
+    assert guard.judge(500.0, 1.0) is not None
+
+
+def saved_run(store, steps: list[int], lines: list[dict]) -> None:
+    for step in steps:
+        write_checkpoint(store, step, {"progress": {"step": step}, "weights": torch.zeros(4)}, 0, "run",
+                         trusted=Survey.of(store).complete)
+    store.publish_bytes(METRICS_FILE, "".join(json.dumps(line) + "\n" for line in lines).encode())
+
+
+def lines_to(step: int, **extra) -> list[dict]:
+    return [{"step": s, "loss": 1.0 / s, **extra} for s in range(1, step + 1)]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_rewind_to_the_newest_checkpoint_keeps_the_lines_it_cuts_and_not_its_own_branchs(where, tmp_path, request):
+    """A spike stop after the newest checkpoint (the usual case with guard.rewind=100 and 2 checkpoints kept): the
+    advice names that checkpoint, no checkpoint moves, and the lines past it (the spike's own among them) are copied
+    under abandoned/ for train/plot.py. A relaunch of that branch (the same resume_from and skips) copies nothing."""
+    if where == "s3":
+        request.getfixturevalue("proxy")
+        from conftest import BUCKET
+        run_dir = f"s3://{BUCKET}/rewind-newest"
+        store = S3RunStore(run_dir, tmp_path / "local")
+    else:
+        run_dir = str(tmp_path / "run")
+        store = LocalRunStore(run_dir)
+    spike = {"step": 14, "loss": 9.0, "grad_norm": 3.0, "guard": {"loss_z": 8.1, "grad_norm_z": 2.0, "update": "stopped"}}
+    saved_run(store, [8, 12], [*lines_to(13), spike])
+    said = rewind(store, 12, [[14, 16]])
+    assert said.startswith("resume_from=12: rewound; no checkpoint came after it; metrics.jsonl as it was (the steps "
+                           "after it) copied to "), said
+    assert Survey.of(store).complete == [8, 12]
+    assert abandoned_records(run_dir, 12) == [lines_to(13)[-1], spike]
+    # The branch's first launch logs step 13 with its relaunch; killed before a checkpoint, relaunched: nothing moves.
+    branch_start = {"step": 13, "loss": 0.5, "relaunch": {"from_step": 12, "after": "rewind", "skip_steps": [[14, 16]]}}
+    saved_run(store, [], [*lines_to(12), branch_start])
+    assert rewind(store, 12, [[14, 16]]) is None
+    assert abandoned_records(run_dir, 12) == [lines_to(13)[-1], spike]
+    # Another branch from the same checkpoint (other skips): the first branch's lines are kept too.
+    assert rewind(store, 12, [[14, 20]]) is not None
+    assert abandoned_records(run_dir, 12) == [branch_start]
+    if where == "local":
+        assert len(list((tmp_path / "run" / ABANDONED).iterdir())) == 2
+    assert parse_records(store.read_bytes(METRICS_FILE), METRICS_FILE)[-1] == branch_start  # the relaunch cuts it
