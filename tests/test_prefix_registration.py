@@ -170,11 +170,10 @@ def test_a_prefix_where_a_block_appears_between_scan_and_claim_is_given_up(datas
 
 def test_a_rank_attaching_to_a_block_its_creator_has_not_sized_yet_waits_for_it(monkeypatch):
     """Every rank of a node creates a dataset's barrier and arrays (streaming's SharedMemory with create=None), and
-    attaches, one TICK later, where another rank created the block first. A creator descheduled between creating and
+    attaches, 7 ms later, where another rank created the block first. A creator descheduled between creating and
     sizing the block (a loaded node) left it empty, and the attach failed with "cannot mmap an empty file": a job
     of three started together died that way in CI. Here the creator stops 0.3 s before sizing it."""
     import _posixshmem
-    from streaming.base.shared import SharedMemory as StreamingSharedMemory
 
     from tokstream.reader import streaming_door
     from tokstream.reader.streaming_door import streaming_internals as internals
@@ -191,14 +190,14 @@ def test_a_rank_attaching_to_a_block_its_creator_has_not_sized_yet_waits_for_it(
     creator = threading.Thread(target=size_it_late)
     try:
         creator.start()
-        attached = StreamingSharedMemory(name, None, 8, auto_cleanup=False)
+        attached = internals.SharedMemory(name, None, 8, auto_cleanup=False)
         creator.join()
         assert bytes(attached.buf[:8]) == b"written!"
         attached.shm.close()
         os.ftruncate(fd, 0)  # a creator that never sizes it: the attach gives up, with stock's error
         monkeypatch.setattr(internals, "SIZING_WAIT_S", 0.05)
         with pytest.raises(ValueError, match="empty file"):
-            StreamingSharedMemory(name, None, 8, auto_cleanup=False)
+            internals.SharedMemory(name, None, 8, auto_cleanup=False)
     finally:
         creator.join()
         os.close(fd)
