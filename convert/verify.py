@@ -27,6 +27,8 @@ def main() -> None:
 
     report = verify_dataset(args.root)
     meta = report.metadata
+    if args.split not in meta.splits:
+        raise UserError(f"--split {args.split}: {args.root} has no such split (it has {', '.join(meta.splits)})")
     print(f"{args.root}: {meta.format} v{meta.format_version}, {meta.tokenizer} (vocab {meta.vocab_size}, "
           f"separator {meta.separator_id} {meta.separator_position} each document), block_size {meta.block_size}, "
           f"{meta.dtype}")

@@ -56,6 +56,9 @@ def test_every_format_gives_the_input_stream(tmp_path, stream):
     np.testing.assert_array_equal(np.stack([val[i]["tokens"] for i in range(len(val))]),
                                   expected_samples(stream[:20_000], 512))
     assert run_script("convert/verify.py", tmp_path / "out").returncode == 0
+    refused = run_script("convert/verify.py", tmp_path / "out", "--split", "nope")  # not a pass for a split not there
+    assert refused.returncode == 2 and refused.stderr.strip() == \
+        f"error: --split nope: {tmp_path / 'out'} has no such split (it has train, val)", refused.stderr
 
 
 def test_glob_expands_in_sorted_order(tmp_path, stream):

@@ -17,7 +17,7 @@ from test_training import BASE, STEPS, metrics, trained_steps, wait_for
 
 from tokstream.convert.resume import PART_DONE_FILE
 from tokstream.errors import UserError
-from tokstream.slurm import array_part, ranks_from_srun, tasks_per_node
+from tokstream.slurm import alone_in_a_bigger_job, array_part, ranks_from_srun, tasks_per_node
 from tokstream.testing.loopback_s3 import free_port
 
 SLURM = ROOT / "examples" / "slurm"
@@ -104,6 +104,19 @@ def test_srun_tasks_get_torchruns_variables_and_a_batch_script_does_not():
     assert ranks_from_srun({**task, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1",
                             "MASTER_ADDR": ""}) == {}  # srun -n 1: one process, no group
     assert tasks_per_node("8(x3),4") == [8, 8, 8, 4]
+
+
+def test_a_process_alone_in_a_job_of_several_tasks_says_so_and_an_srun_task_does_not():
+    """`python train/main.py` in the batch script of an --ntasks=2 job trains on one rank: said in one line. An srun
+    task (each of a step of 4, or the one of `srun -n 1` in a bigger job) and torchrun's ranks say nothing."""
+    job = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}
+    assert alone_in_a_bigger_job(job) == (
+        "warning: this Slurm job has 2 tasks, but this process was started by neither srun nor torchrun: it trains "
+        "alone, on 1 rank; start it with srun (examples/slurm/train.sbatch) to train on all of them")
+    assert alone_in_a_bigger_job({**job, "SLURM_STEP_ID": "batch", "SLURM_STEP_NUM_TASKS": "1"}) is not None
+    for started in ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4"}, {"SLURM_STEP_ID": "3", "SLURM_STEP_NUM_TASKS": "1"},
+                    {"RANK": "0"}, {"SLURM_NTASKS": "1"}):
+        assert alone_in_a_bigger_job({**job, **started}) is None, started
 
 
 def submit_training(slurm, dataset: Path, run_dir: Path, log: Path) -> str:

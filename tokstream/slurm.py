@@ -57,6 +57,18 @@ def ranks_from_srun(environ=os.environ) -> dict[str, str]:
             "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"), "LOCAL_WORLD_SIZE": str(per_node.pop())}
 
 
+def alone_in_a_bigger_job(environ=os.environ) -> str | None:
+    """The line to say when this process trains alone inside a Slurm job of several tasks, started by neither srun
+    (which sets SLURM_STEP_NUM_TASKS for each task of its step) nor torchrun: `python train/main.py` in the batch
+    script of an `--ntasks=8` job runs once, on one rank, not eight times."""
+    tasks = environ.get("SLURM_NTASKS", "1")
+    srun_task = "SLURM_STEP_NUM_TASKS" in environ and environ.get("SLURM_STEP_ID", "batch") not in ("batch", "extern")
+    if "RANK" in environ or srun_task or not tasks.isdigit() or int(tasks) <= 1:
+        return None
+    return (f"warning: this Slurm job has {tasks} tasks, but this process was started by neither srun nor torchrun: "
+            "it trains alone, on 1 rank; start it with srun (examples/slurm/train.sbatch) to train on all of them")
+
+
 def tasks_per_node(text: str) -> list[int]:
     """Slurm's compressed task counts, "2(x3),1" -> [2, 2, 2, 1]."""
     counts = []

@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tokstream.slurm import ranks_from_srun
+from tokstream.slurm import alone_in_a_bigger_job, ranks_from_srun
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class Distributed:
         A rank that srun started without torchrun gets torchrun's variables from Slurm's first: streaming
         and the reader read them from the environment too."""
         os.environ.update(ranks_from_srun())
+        if (alone := alone_in_a_bigger_job()) is not None:
+            print(alone, file=sys.stderr, flush=True)
         enabled = "RANK" in os.environ
         if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent
             exit_when_orphaned()
