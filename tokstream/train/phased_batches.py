@@ -37,6 +37,18 @@ class PhasedBatches:
         self.stream, self.batches, self.read_since_enter = stream, batches, False
         return True
 
+    def move(self, phase: Phase, units: int) -> None:
+        """Read `phase`'s stream from `units` units into it on, what lies between left unread (skip_steps): its
+        position is set where reading would have brought it, as a relaunch would set it."""
+        self.enter(phase)
+        state = self.batches.state_dict()
+        samples, epoch = units * self.recipe.units[phase.index], sum(self.batches.epoch_samples)
+        position = {**state["position"], "epoch": samples // epoch, "sample_in_epoch": samples % epoch}
+        stream = self.stream
+        self.close()
+        self.positions[stream] = {**state, "position": position}
+        self.enter(phase)
+
     def __next__(self) -> dict[str, torch.Tensor]:
         self.read_since_enter = True
         return next(self.batches)

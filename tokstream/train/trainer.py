@@ -442,34 +442,28 @@ def stop_at_spike(run: Run, spike: SpikeStop, bar: tqdm) -> None:
 
 
 def skip_when_due(run: Run) -> dict | None:
-    """At the first step of a skip (skip_steps [first, last]), read the data of steps first..last and leave it out:
-    each stream goes on from where step last + 1 would have read it (Recipe.read_units_before, the ledger's). What was
-    left out, per source (and each rank's ids with trace_samples), for that step's line in metrics.jsonl."""
+    """At the first step of a skip (skip_steps [first, last]), leave out the data of steps first..last unread: each
+    stream those steps would read moves on to where step last + 1 would have read it (Recipe.read_units_before, the
+    ledger's), as a relaunch positions it, whatever the skip's length. What was left out, for that step's line in
+    metrics.jsonl."""
     skip = run.recipe.skip_at(run.progress.step)
     if skip is None:
         return None
     first, last = skip
-    left_out: dict[str, int] = {}
-    ids: list[int] = []
+    left_out, moved = 0, set()
     for index in range(first - 1, last):
         phase = run.recipe.at(index)
-        run.batches.enter(phase)
-        names = run.recipe.dataset(phase).source_names
-        for _ in range(run.recipe.plan(phase).accumulation):
-            read = next(run.batches)["ids"].tolist()
-            ids.extend(read)
-            counts = torch.from_numpy(run.batches.samples_per_source(read)).to(run.dist.device)
-            run.dist.sum(counts)
-            for name, count in zip(names, counts.tolist()):
-                left_out[name] = left_out.get(name, 0) + count
+        if run.recipe.stream(phase) in moved:
+            continue
+        moved.add(run.recipe.stream(phase))
+        skipped = run.recipe.units_before(phase, last) - run.recipe.units_before(phase, first - 1)
+        left_out += skipped * run.recipe.units[phase.index]
+        run.batches.move(phase, run.recipe.read_units_before(phase, first - 1))
     run.batches.enter(run.recipe.at(run.progress.step))  # the step's own stream, wherever the skip ended
-    said = {"steps": [first, last], "samples_per_source": left_out}
-    if run.config.trace_samples:
-        said["samples"] = run.dist.gather(ids)
     if run.dist.master:
-        print(f"skip_steps: the data of steps {first} to {last} left out ({sum(left_out.values()):,} samples); "
-              f"step {first} reads what step {last + 1} would have")
-    return said
+        print(f"skip_steps: the data of steps {first} to {last} left out unread ({left_out:,} samples); step {first} "
+              f"reads what step {last + 1} would have")
+    return {"steps": [first, last], "samples_left_out": left_out}
 
 
 def progress_bar(run: Run) -> tqdm:
