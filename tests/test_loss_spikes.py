@@ -170,12 +170,10 @@ def check_dashboards(run_dir, branch_metrics: list[dict], stopped: int) -> None:
 
 
 @pytest.mark.long
-def test_the_guard_skips_spikes_updates_resumes_exactly_and_its_stop_says_the_command_that_rewinds(dataset, tmp_path):
+def test_the_guard_skips_spikes_updates_and_resumes_exactly(dataset, tmp_path):
     """guard.zscore 0.3 over 16 steps (low, so that spikes come): each spike's line says its update was skipped; a run
     SIGTERMed after step 20 and relaunched judges every step as the uninterrupted run did (its window is in the
-    checkpoint): the same losses, bitwise. With guard.action stop the run ends at the first spike with exit 65 (not
-    75, which a scheduler would requeue into the same spike) and the settings that rewind and skip, which a relaunch
-    takes."""
+    checkpoint): the same losses, bitwise."""
     guard = ["max_steps=30", "optim.decay_steps=30", "guard.zscore=0.3", "guard.window=16", "keep_checkpoints=0"]
     train(1, dataset, tmp_path / "reference", *guard)
     reference = metrics(tmp_path / "reference")
@@ -192,18 +190,64 @@ def test_the_guard_skips_spikes_updates_resumes_exactly_and_its_stop_says_the_co
     assert [(m["step"], m["loss"], m.get("guard")) for m in metrics(run_dir)] == \
         [(m["step"], m["loss"], m.get("guard")) for m in reference]
 
-    stop_dir = tmp_path / "stopped"
-    stopped = launch(1, dataset, stop_dir, *guard, "guard.action=stop", "guard.rewind=2", "guard.skip=3")
+    # guard.action stop and rewind, and the advice pasted: test_the_guard_rewinds_by_itself_as_the_pasted_advice_would.
+
+
+@pytest.mark.long
+def test_the_guard_rewinds_by_itself_as_the_pasted_advice_would_also_through_a_sigterm_during_the_rewind(
+        dataset, tmp_path):
+    """guard.action rewind on 2 ranks: at the spike, back to the checkpoint the advice names, the spike's data left
+    out, in the same job; the run afterwards equals, step by step (samples, losses bitwise), a run stopped at the spike
+    (action stop) and relaunched with its advice pasted, and ends as it does (a second spike: the cap of one rewind
+    reached, the same advice and exit 65: not 75, which a scheduler would requeue into the same spike). The abandoned
+    branch keeps the spike's line. SIGTERMed while it rewinds,
+    the job exits 75 and its relaunch with the same command goes on to the same steps."""
+    import re
+
+    guard = ["max_steps=30", "optim.decay_steps=30", "guard.zscore=0.3", "guard.window=16", "keep_checkpoints=0",
+             "guard.rewind=2", "guard.skip=3", "guard.max_rewinds=1"]
+
+    def steps(run_dir) -> list[tuple]:
+        return [(m["step"], m["samples"], m["loss"]) for m in metrics(run_dir)]
+
+    manual = tmp_path / "manual"
+    stopped = launch(2, dataset, manual, *guard, "guard.action=stop")
     output = stopped.communicate(timeout=300)[0]
     assert stopped.returncode != 0 and "failed (exitcode: 65)" in output, output  # the ranks' EX_DATAERR
-    spike = min(spikes)
+    spike = int(re.search(r"loss spike at step (\d+) \(", output).group(1))
     target = max(step for step in range(4, spike - 2, 4))  # checkpoints every 4 steps; at least 2 before the spike
-    settings = f"resume_from={target} skip_steps=[[{spike},{spike + 2}]]"
-    assert f"loss spike at step {spike} (" in output and \
-        f"update not applied; to rewind and leave out its data, relaunch with: {settings}\n" in output, output
-    finish(launch(1, dataset, stop_dir, *guard, "guard.action=skip", "resume_allow=[guard.action]",
-                  *settings.split()))
-    assert [m["step"] for m in metrics(stop_dir)] == list(range(1, 31))
+    advice = re.search(r"update not applied; to rewind and leave out its data, relaunch with: (resume_from=\d+ "
+                       r"skip_steps=\S+)\n", output)
+    assert advice and advice.group(1) == f"resume_from={target} skip_steps=[[{spike},{spike + 2}]]", output
+    assert [m["guard"]["update"] for m in metrics(manual) if m["step"] == spike] == ["stopped"]  # its line is kept
+    again = launch(2, dataset, manual, *guard, "guard.action=stop", *advice.group(1).split())
+    manual_output = again.communicate(timeout=300)[0]
+
+    auto = tmp_path / "auto"
+    rewinding = launch(2, dataset, auto, *guard, "guard.action=rewind")
+    auto_output = rewinding.communicate(timeout=300)[0]
+    assert "guard.action rewind, 1 of guard.max_rewinds=1" in auto_output, auto_output
+    assert rewinding.returncode == again.returncode, (auto_output[-3000:], manual_output[-3000:])
+    final = lambda text: re.findall(r"relaunch with: .*", text)  # noqa: E731  the second spike's advice, if any
+    assert final(auto_output) == final(manual_output)
+    assert steps(auto) == steps(manual)
+    (branch,) = (auto / "abandoned").iterdir()
+    assert [m["guard"]["update"] for m in metrics(branch) if m["step"] == spike] == ["rewound"]
+
+    interrupted = tmp_path / "interrupted"
+    first = launch(2, dataset, interrupted, *guard, "guard.action=rewind")
+    said = ""
+    while "rewinding to step" not in said:
+        line = first.stdout.readline()
+        assert line, said[-3000:]
+        said += line
+    os.killpg(first.pid, signal.SIGTERM)
+    said += first.communicate(timeout=120)[0]
+    assert first.returncode != 0 and ("preempted" in said or "exitcode: 75" in said), said[-3000:]
+    relaunched = launch(2, dataset, interrupted, *guard, "guard.action=rewind")
+    relaunched.communicate(timeout=300)
+    assert relaunched.returncode == again.returncode
+    assert steps(interrupted) == steps(manual)
 
 
 def test_a_dashboard_whose_package_is_missing_or_whose_settings_are_wrong_is_refused_in_one_line(monkeypatch, tmp_path):

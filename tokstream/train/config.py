@@ -49,9 +49,14 @@ class GuardConfig:
 
     zscore: float = 0.0  # a step this many standard deviations above the window's loss or gradient norm; 0: off
     window: int = 128  # steps
-    action: str = "skip"  # skip: its update is not applied; stop: exit 65 with the command that rewinds and skips
-    rewind: int = 100  # stop: the command resumes from a checkpoint at least this many steps before the spike
-    skip: int = 200  # stop: and leaves out this many steps' data from the spike on
+    action: str = "skip"  # skip: its update is not applied; stop: exit 65 with the command that rewinds and skips;
+    # rewind: what that command would do, in the same job, up to max_rewinds times per run
+    rewind: int = 100  # stop/rewind: back to a checkpoint at least this many steps before the spike
+    skip: int = 200  # stop/rewind: and leave out this many steps' data from the spike on
+    max_rewinds: int = 3  # rewind: then it stops, as stop does
+    # Recorded by the guard's own rewinds, not set by hand: [{"spike", "resume_from", "skip_steps"}, ...]; a relaunch
+    # keeps them (resume_policy.keep_guard_rewinds), as it keeps the skips they added.
+    rewinds_done: list = field(default_factory=list)
 
 
 @dataclass
@@ -274,7 +279,7 @@ RANGES = {
     "eval_batches": (1, True, None, ""), "checkpoint_interval": (1, True, None, ""),
     "keep_checkpoints": (0, True, None, "0 keeps every checkpoint"), "keep_every": (0, True, None, "0 keeps none"),
     "resume_from": (0, True, None, "a checkpoint's step"), "guard.zscore": (0, True, None, "0 turns the guard off"),
-    "guard.window": (16, True, None, "a step is judged once the window holds 16 steps"), "guard.rewind": (0, True, None, ""), "guard.skip": (1, True, None, ""), "preempt_grace_s": (0, False, None, ""),
+    "guard.window": (16, True, None, "a step is judged once the window holds 16 steps"), "guard.rewind": (0, True, None, ""), "guard.skip": (1, True, None, ""), "guard.max_rewinds": (0, True, None, ""), "preempt_grace_s": (0, False, None, ""),
     "lease_interval_s": (0, False, None, ""),
     "model.vocab_size": (1, True, None, ""), "model.block_size": (1, True, None, ""), "model.n_layer": (1, True, None, ""),
     "model.n_head": (1, True, None, ""), "model.n_embd": (1, True, None, ""), "model.dropout": (0, True, 1, ""),
@@ -361,9 +366,10 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     apply_overrides(config, overrides)
     check_ranges(config)
     check_skips(config.skip_steps, config.max_steps)
-    if config.guard.action not in ("skip", "stop"):
-        raise UserError(f"guard.action must be skip (the spike's update is not applied) or stop (exit 65 with the "
-                        f"command that rewinds and skips), got {config.guard.action!r}")
+    if config.guard.action not in ("skip", "stop", "rewind"):
+        raise UserError(f"guard.action must be skip (the spike's update is not applied), stop (exit 65 with the "
+                        f"command that rewinds and skips) or rewind (that command's rewind, in the same job), got "
+                        f"{config.guard.action!r}")
     first = config.phases[0].data if config.phases else config.data
     if not (config.data.remote or config.data.streams or first.remote or first.streams):
         raise UserError("data.remote is not set: give the dataset root, e.g. data.remote=data/owt, or a mixture "

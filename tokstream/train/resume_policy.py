@@ -21,7 +21,7 @@ from tokstream.train.config import TrainConfig, config_from_dict
 from tokstream.train.phases import Phase, read_through, resolve_phases, started
 
 FREE = ("run_dir", "run_local", "log_interval", "eval_interval", "eval_batches", "checkpoint_interval",
-        "keep_checkpoints", "keep_every", "resume_from", "guard.rewind", "guard.skip", "background_checkpoints", "preempt_grace_s", "lease_interval_s", "trace_samples",
+        "keep_checkpoints", "keep_every", "resume_from", "guard.rewind", "guard.skip", "guard.max_rewinds", "guard.rewinds_done*", "background_checkpoints", "preempt_grace_s", "lease_interval_s", "trace_samples",
         "device", "compile", "deterministic", "micro_batch_size", "log.*",
         "data.remote", "data.local", "data.val_split", "data.num_workers", "data.prefetch_factor",
         "data.predownload", "data.cache_limit", "data.validate_hash", "data.download_retry",
@@ -69,6 +69,19 @@ def keep_run_order(config: TrainConfig, saved: dict) -> TrainConfig:
         data = dataclasses.replace(data, shuffle_algo=algo)
     data = dataclasses.replace(data, shuffle_auto_lazy=saved["data"].get("shuffle_auto_lazy", FIRST_LAZY_ORDER))
     return config if data == config.data else dataclasses.replace(config, data=data)
+
+
+def keep_guard_rewinds(config: TrainConfig, saved: dict) -> TrainConfig:
+    """`config` with the rewinds the guard made by itself in the run whose recorded config is `saved` (guard.action
+    rewind), and the skips they added: a relaunch of the job's own command (a requeue) goes on in the branch the
+    guard chose, never back into the spike."""
+    from tokstream.train.spike_guard import joined
+
+    done = (saved.get("guard") or {}).get("rewinds_done") or []
+    if len(config.guard.rewinds_done) >= len(done):  # this launch's own (a rewind of the guard's), or none to keep
+        return config
+    skips = joined([*config.skip_steps, *done[-1]["skip_steps"]])
+    return dataclasses.replace(config, skip_steps=skips, guard=dataclasses.replace(config.guard, rewinds_done=done))
 
 
 # What `auto` took from data.lazy_order_from on before data.shuffle_auto_lazy was recorded (issue 51).

@@ -66,8 +66,13 @@ def skips_with_spike(skips: list[list[int]], spike: int, skip: int, max_steps: i
     else:
         skips.append([spike, min(spike + skip - 1, max_steps)])
         skips.sort()
+    return joined(skips)
+
+
+def joined(skips: list) -> list[list[int]]:
+    """Skips sorted, those that overlap joined into one."""
     merged: list[list[int]] = []
-    for first, last in skips:
+    for first, last in sorted([list(pair) for pair in skips]):
         if merged and first <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], last)
         else:
@@ -75,19 +80,27 @@ def skips_with_spike(skips: list[list[int]], spike: int, skip: int, max_steps: i
     return merged
 
 
-def advice(saved: list[int], spike: int, skips: list[list[int]], rewind: int, skip: int, max_steps: int) -> str:
-    """What to relaunch with after a spike at `spike` (guard.action stop): the newest of the `saved` checkpoints at
-    least `rewind` steps before the spike (or the nearest before it, said so), and the skips with the spike's; the
-    checkpoint comes before every skip that changes, which a relaunch must not have trained."""
+def rewind_plan(saved: list[int], spike: int, skips: list[list[int]], rewind: int, skip: int,
+                max_steps: int) -> tuple[int | None, list[list[int]], int, bool]:
+    """Where to rewind after a spike at `spike`: the newest of the `saved` checkpoints at least `rewind` steps before
+    it (or the nearest before it: `near`), with the skips and the spike's. The checkpoint comes before every skip that
+    changes, which a relaunch must not have trained (`limit`: the last step it may be). (target or None, skips,
+    limit, near)."""
     new_skips = skips_with_spike(skips, spike, skip, max_steps)
     changed = [pair for pair in new_skips if pair not in [list(old) for old in skips]]
-    limit = min((pair[0] for pair in changed), default=spike) - 1  # the newest checkpoint whose run has not begun a changed skip
+    limit = min((pair[0] for pair in changed), default=spike) - 1
     far = [step for step in saved if step <= min(limit, spike - 1 - rewind)]
     near = [step for step in saved if step <= limit]
+    return (max(far) if far else max(near) if near else None), new_skips, limit, not far
+
+
+def advice(saved: list[int], spike: int, skips: list[list[int]], rewind: int, skip: int, max_steps: int) -> str:
+    """What to relaunch with after a spike at `spike` (guard.action stop): rewind_plan's checkpoint and skips."""
+    target, new_skips, limit, near = rewind_plan(saved, spike, skips, rewind, skip, max_steps)
     settings = "skip_steps=" + json.dumps(new_skips, separators=(",", ":"))
-    if far:
-        return f"relaunch with: resume_from={max(far)} {settings}"
+    if target is None:
+        return f"no kept checkpoint comes before step {limit + 1}: train again in a new run_dir with {settings}"
     if near:
-        return (f"relaunch with: resume_from={max(near)} {settings} (no kept checkpoint is guard.rewind={rewind} steps "
-                f"before it: step {max(near)} is the newest before step {limit + 1})")
-    return (f"no kept checkpoint comes before step {limit + 1}: train again in a new run_dir with {settings}")
+        return (f"relaunch with: resume_from={target} {settings} (no kept checkpoint is guard.rewind={rewind} steps "
+                f"before it: step {target} is the newest before step {limit + 1})")
+    return f"relaunch with: resume_from={target} {settings}"

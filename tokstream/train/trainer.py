@@ -7,6 +7,7 @@ micro-batch at a time from TokenDataset.get_batch (token_dataset.py), stacked in
 memory; to_device widens the tokens on the device.
 """
 
+import dataclasses
 import gc
 import json
 import os
@@ -34,9 +35,9 @@ from tokstream.train.model import GPT, peak_bf16_flops
 from tokstream.train.phased_batches import PhasedBatches
 from tokstream.train.phases import Phase, Recipe
 from tokstream.train.preemption import PreemptionWatch
-from tokstream.train.resume_policy import check_relaunch, keep_run_order
+from tokstream.train.resume_policy import check_relaunch, keep_guard_rewinds, keep_run_order
 from tokstream.train.rewind import rewind, rewind_target
-from tokstream.train.spike_guard import SpikeGuard, advice
+from tokstream.train.spike_guard import SpikeGuard, advice, rewind_plan
 from tokstream.train.run_lease import RunLease
 from tokstream.train.rng import RankRNG
 from tokstream.train.run_store import RunStore, S3RunStore, open_run_store
@@ -93,14 +94,16 @@ def setup(config: TrainConfig) -> Run:
         raise
 
 
-def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunStore, lease: RunLease | None) -> Run:
-    """setup()'s part under the run's lease: resume or start, and everything the loop uses."""
-    rewound = False
-    if config.resume_from is not None:
-        target = rewind_target(store, config.resume_from)
+def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunStore, lease: RunLease | None,
+           rewind_to: int | None = None) -> Run:
+    """setup()'s part under the run's lease: resume or start, and everything the loop uses. `rewind_to`: the guard's
+    own rewind (in place of config.resume_from, which its branch keeps as the job's command gave it)."""
+    rewound, rewind_to = False, config.resume_from if rewind_to is None else rewind_to
+    if rewind_to is not None:
+        target = rewind_target(store, rewind_to)
         if target is not None:  # a refused relaunch changes nothing: checked against the target before any move
             config, recipe = check_resume(config, recipe, dist, target, target["progress"]["step"])
-        rewound = rewind_when_asked(store, config.resume_from, config.skip_steps, dist)
+        rewound = rewind_when_asked(store, rewind_to, config.skip_steps, dist)
     checkpoint_url, saved = find_latest(store, dist)
     recipe.check_plans(saved["progress"]["step"] if saved is not None else 0)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
@@ -156,7 +159,7 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
     if saved is not None:
         # A launch that resumes at its resume_from starts the branch: rewinding now, or again after a kill before
         # the branch's first checkpoint.
-        after = "rewind" if rewound or config.resume_from == progress.step else progress.stopped_by or "restart"
+        after = "rewind" if rewound or rewind_to == progress.step else progress.stopped_by or "restart"
         relaunch = {"from_step": progress.step, "after": after}
         if after == "rewind":  # the branch's first line: a rewind to the same step in another branch moves it aside
             relaunch["skip_steps"] = [list(pair) for pair in config.skip_steps]
@@ -282,7 +285,7 @@ def check_resume(config: TrainConfig, recipe: Recipe, dist: Distributed, saved: 
     """Refuse a relaunch from the checkpoint `saved` (its run record and step) that its policy does not allow; the
     config and recipe it goes on with (a run started in a named order keeps it), each accepted change said once."""
     old = saved["run"]
-    kept = keep_run_order(config, old["config"])
+    kept = keep_guard_rewinds(keep_run_order(config, old["config"]), old["config"])
     if kept is not config:  # data.shuffle_algo: auto, in a run that started in a named order
         config, recipe = kept, Recipe.open(kept, dist.world)
     if step > config.max_steps:
@@ -391,9 +394,15 @@ def train(config: TrainConfig) -> int:
         try:
             record = train_step(run)
         except SpikeStop as spike:
-            stop_at_spike(run, spike, bar)
-            status = SPIKE_STOP_EXIT_STATUS
-            break
+            rewound = rewind_at_spike(run, spike, bar) if config.guard.action == "rewind" else None
+            if rewound is None:
+                stop_at_spike(run, spike, bar)
+                status = SPIKE_STOP_EXIT_STATUS
+                break
+            run, config = rewound, rewound.config
+            bar, first_step = progress_bar(run), run.progress.step
+            run.model.train()
+            continue
         if skipped:
             record["skipped"] = skipped
         if run.relaunch is not None:  # the launch's first line: where and why it took over
@@ -419,21 +428,62 @@ class SpikeStop(Exception):
         self.step, self.scores, self.loss, self.grad_norm = step, scores, loss, grad_norm
 
 
+def log_spike(run: Run, spike: SpikeStop, update: str) -> None:
+    """The evidence, beside the steps before it: the spike step's line (not trained: its update `update`), kept under
+    abandoned/ by the rewind that follows; for an S3 run uploaded now, as a checkpoint would."""
+    if not run.dist.master:
+        return
+    record = {"step": spike.step, "loss": spike.loss, "grad_norm": spike.grad_norm,
+              "guard": {**spike.scores, "update": update}}
+    run.metrics.write(record)
+    run.dashboards.write(record)
+    if isinstance(run.store, S3RunStore):
+        run.store.publish_bytes(METRICS_FILE, run.metrics.path.read_bytes())
+
+
+def rewind_at_spike(run: Run, spike: SpikeStop, bar: tqdm) -> Run | None:
+    """guard.action rewind: what stop's advice says, in this job: back to the newest kept checkpoint at least
+    guard.rewind steps before the spike, the spike's data left out, the branch it leaves kept under abandoned/ (as a
+    relaunch with that resume_from and skip_steps does, through the same _build). The run it goes on with, or None
+    where it cannot (guard.max_rewinds done, or no checkpoint before the spike): then it stops."""
+    run.checkpointer.wait()
+    config, guard = run.config, run.config.guard
+    saved = [step for step in Survey.of(run.store).complete if step < spike.step] if run.dist.master else None
+    target, skips, _, near = rewind_plan(run.dist.gather(saved)[0], spike.step, config.skip_steps, guard.rewind,
+                                         guard.skip, config.max_steps)
+    if target is None or len(guard.rewinds_done) >= guard.max_rewinds:
+        return None
+    log_spike(run, spike, "rewound")
+    bar.close()
+    if run.dist.master:
+        print(f"loss spike at step {spike.step} ({', '.join(f'{k} {v}' for k, v in spike.scores.items())}): rewinding "
+              f"to step {target}{' (the nearest checkpoint before it)' if near else ''}, skip_steps={skips} "
+              f"(guard.action rewind, {len(guard.rewinds_done) + 1} of guard.max_rewinds={guard.max_rewinds})")
+    done = [*guard.rewinds_done, {"spike": spike.step, "resume_from": target, "skip_steps": skips}]
+    branch = dataclasses.replace(config, skip_steps=skips, guard=dataclasses.replace(guard, rewinds_done=done))
+    close_data(run)
+    rewound = _build(branch, run.dist, Recipe.open(branch, run.dist.world), run.store, run.lease, rewind_to=target)
+    rewound.preemption.received = run.preemption.received  # a notice during the rewind stops the branch at once
+    rewound.preemption.noticed_at = run.preemption.noticed_at
+    return rewound
+
+
+def close_data(run: Run) -> None:
+    """Let go of what a run reads and shows (its streams, evaluation data and dashboards) before another is built."""
+    run.batches.close()
+    run.val_loaders = None
+    run.dashboards.close()
+    gc.collect()  # the readers' StreamingDatasets go before the rewound run's register
+
+
 def stop_at_spike(run: Run, spike: SpikeStop, bar: tqdm) -> None:
     """guard.action stop: end the run (exit 65: unfinished, but not to be relaunched as it is) with the command that rewinds to a
     checkpoint at least guard.rewind steps before the spike and leaves out guard.skip steps' data from it on."""
     run.checkpointer.wait()
     bar.close()
+    log_spike(run, spike, "stopped")
     if not run.dist.master:
         return
-    # The evidence, beside the steps before it: the step's line (not trained: "update": "stopped"), kept under
-    # abandoned/ by the rewind its advice starts; for an S3 run uploaded now, as a checkpoint would.
-    record = {"step": spike.step, "loss": spike.loss, "grad_norm": spike.grad_norm,
-              "guard": {**spike.scores, "update": "stopped"}}
-    run.metrics.write(record)
-    run.dashboards.write(record)
-    if isinstance(run.store, S3RunStore):
-        run.store.publish_bytes(METRICS_FILE, run.metrics.path.read_bytes())
     guard = run.config.guard
     saved = [step for step in Survey.of(run.store).complete if step < spike.step]
     said = advice(saved, spike.step, run.config.skip_steps, guard.rewind, guard.skip, run.config.max_steps)
@@ -521,7 +571,7 @@ def train_step(run: Run) -> dict:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in run.model.parameters() if p.grad is not None])
     grad_norm, loss = grad_norm.item(), dist.mean(loss_sum).item()  # every rank's, alike: the guard judges them
     spike = run.guard.judge(loss, grad_norm) if run.guard is not None else None
-    if spike is not None and config.guard.action == "stop":
+    if spike is not None and config.guard.action in ("stop", "rewind"):
         optimizer.zero_grad(set_to_none=True)
         raise SpikeStop(run.progress.step + 1, spike, loss, grad_norm)
     if spike is None:
