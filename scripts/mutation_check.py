@@ -290,6 +290,12 @@ MUTATIONS = [
     Mutation("guard: no restart after a rewind", "the guard's statistics restart after a rewind",
              "tokstream/train/trainer.py", 'if after == "rewind" and guard is not None:', "if False:",
              ("tests/test_loss_spikes.py", "-k", "rewinds_by_itself")),
+    Mutation("guard: no restart at a phase's start", "no false alarm where a phase changes data, batch or block",
+             "tokstream/train/trainer.py", "if run.guard is not None and step == phase.start_step and "
+             "run.recipe.changes_statistics(phase):", "if False:", ("tests/test_phases.py", "-k", "example_config_runs")),
+    Mutation("notice while starting: waited for", "a preemption notice is honoured during start-up",
+             "tokstream/train/preemption.py", "        if self.starting:\n", "        if False:\n",
+             ("tests/test_s3.py", "-k", "notice_while")),
     Mutation("skip: the stream moved one unit short", "a skip leaves out exactly its steps' data",
              "tokstream/train/trainer.py", "run.batches.move(phase, run.recipe.read_units_before(phase, first - 1))",
              "run.batches.move(phase, run.recipe.read_units_before(phase, first - 1) - 1)",

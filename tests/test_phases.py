@@ -8,6 +8,7 @@ configs/tiny-phases.yaml runs on the real corpora.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -365,7 +366,10 @@ def test_an_interruption_at_every_kind_of_boundary_resumes_exactly(tmp_path):
 
 def test_the_phases_example_config_runs_on_the_real_corpora(tmp_path):
     """configs/tiny-phases.yaml (a batch warm-up, twice the block, an annealing mixture), its data converted from
-    ../shared as its header says, through torchrun on 2 ranks; then its loss curve, with tokens and phases."""
+    ../shared as its header says, through torchrun on 2 ranks; then its loss curve, with tokens and phases. With the
+    loss-spike guard on (zscore 6, action stop): the statistics that each phase moves by design raise no alarm (the
+    window starts again at each phase); relaunched on to step 50, then with the learning rate raised 10,000-fold, the
+    real spike that follows, inside the last phase, stops the run."""
     corpora = SHARED / "corpora"
     for corpus, doc_per, block, out in (("tinyshakespeare.txt", "paragraph", 64, "data"),
                                         ("tinyshakespeare.txt", "paragraph", 128, "plays-128"),
@@ -377,7 +381,7 @@ def test_the_phases_example_config_runs_on_the_real_corpora(tmp_path):
                "configs/tiny-phases.yaml", f"run_dir={tmp_path / 'run'}", f"phases.0.data.remote={tmp_path / 'data'}",
                f"phases.2.data.remote={tmp_path / 'plays-128'}",
                f"phases.3.data.streams.0.remote={tmp_path / 'plays-128'}",
-               f"phases.3.data.streams.1.remote={tmp_path / 'wiki-128'}"]
+               f"phases.3.data.streams.1.remote={tmp_path / 'wiki-128'}", "guard.zscore=6", "guard.action=stop"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -397,6 +401,16 @@ def test_the_phases_example_config_runs_on_the_real_corpora(tmp_path):
 
     labels, _ = plot_runs([str(tmp_path / "run")], str(tmp_path / "loss.png"))
     assert (tmp_path / "loss.png").stat().st_size > 10_000 and "run train" in labels
+    assert not any("guard" in r for r in records)  # no false alarm at a phase's start
+
+    on = subprocess.run([*command, "max_steps=50"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert on.returncode == 0 and not any("guard" in r for r in metrics(tmp_path / "run")), on.stdout[-3000:]
+    raised = ["max_steps=60", "optim.lr=3", "optim.min_lr=3", "resume_allow=[optim.lr,optim.min_lr]"]
+    spiked = subprocess.run([*command, *raised], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    caught = re.search(r"loss spike at step (\d+) \(loss_z ([\d.]+|inf)", spiked.stdout)
+    assert spiked.returncode != 0 and caught and int(caught.group(1)) in (51, 52), spiked.stdout[-3000:]
 
 
 def test_a_reader_state_from_before_phases_resumes_as_the_first_phases_stream(data):

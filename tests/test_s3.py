@@ -490,3 +490,23 @@ def test_a_run_in_s3_rewinds_keeping_the_abandoned_branch_byte_for_byte(proxy, d
 
     _, marks = plot_runs([url], str(tmp_path / "loss.png"))  # the abandoned branch read back from the store
     assert marks == [("rewind", 4), ("abandoned", 5), ("skip", 5), ("end", 12)]
+
+
+def test_a_notice_while_a_relaunch_loads_its_checkpoint_ends_it_at_once_in_one_line(proxy, dataset, tmp_path):
+    """A relaunch of an S3 run spends its start-up downloading the checkpoint (GBs for a real model), longer than a
+    notice's grace: a SIGTERM then ends the rank at once, exit 75 and one line (nothing was trained, nothing to save),
+    not a kill after the grace. The next launch resumes from that checkpoint."""
+    from tokstream.testing.processes import worker_pids
+
+    url = f"s3://{BUCKET}/notice-at-start-{os.getpid()}"
+    common = ("optim.decay_steps=8", "checkpoint_interval=4", f"run_local={tmp_path / 'local'}")
+    training.train(1, dataset, url, *common, "max_steps=4")
+    proxy.hold("GET", "/ckpt-00000004.pt", seconds=120)
+    process = training.launch(1, dataset, url, *common, "max_steps=8")
+    training.wait_for(proxy.holding.is_set)
+    os.kill(worker_pids(process.pid)[0], signal.SIGTERM)
+    output = process.communicate(timeout=60)[0]  # well before the held download would have ended
+    assert "preempted (signal 15) while starting: nothing trained in this launch, nothing to save; exiting" in output
+    assert re.search(r"exitcode\s*: 75", output), output[-3000:]
+    proxy.clear()
+    assert f"resumed from {url}/ckpt-00000004.pt" in training.train(1, dataset, url, *common, "max_steps=8")

@@ -1,5 +1,6 @@
 """Preemption: SIGTERM or SIGUSR1 on any rank makes every rank stop at the same step boundary."""
 
+import os
 import signal
 import time
 
@@ -9,17 +10,32 @@ import torch.distributed as dist
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class PreemptionWatch:
-    """Records a preemption signal; `should_stop` is a collective every rank calls once per step."""
+# sysexits' EX_TEMPFAIL, "try again later": what a preempted rank exits with.
+PREEMPTED_EXIT_STATUS = 75
 
-    def __init__(self, device: torch.device):
+
+class PreemptionWatch:
+    """Records a preemption signal; `should_stop` is a collective every rank calls once per step. While `starting`
+    (until the loop's first step: opening data, rewinding, downloading a checkpoint, building an epoch's order), a
+    notice ends the rank at once with PREEMPTED_EXIT_STATUS and one line: nothing was trained, so nothing is saved,
+    and start-up work can take longer than the notice's grace. What it leaves is what a kill leaves, which every
+    start-up step is built to survive (atomic writes, partial files of dead processes removed, a rewind finished by
+    the next launch)."""
+
+    def __init__(self, device: torch.device | None = None):
         self.received: int | None = None
         self.noticed_at: float | None = None  # time.monotonic() of the signal here, or of hearing of another rank's
         self.device = device
+        self.starting = True
         for signum in PREEMPTION_SIGNALS:
             signal.signal(signum, self._record)
 
     def _record(self, signum: int, frame: object) -> None:
+        if self.starting:
+            if os.environ.get("RANK", "0") == "0":
+                os.write(1, f"preempted (signal {signum}) while starting: nothing trained in this launch, nothing to "
+                            "save; exiting (a relaunch resumes from the run's newest checkpoint)\n".encode())
+            os._exit(PREEMPTED_EXIT_STATUS)  # not an exception: a thread's download would hold it until done
         self.received = signum  # just a flag: the step in flight finishes normally
         self.noticed_at = time.monotonic()
 

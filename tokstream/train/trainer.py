@@ -34,7 +34,7 @@ from tokstream.train.metrics import METRICS_FILE, MetricsLog, console_line
 from tokstream.train.model import GPT, peak_bf16_flops
 from tokstream.train.phased_batches import PhasedBatches
 from tokstream.train.phases import Phase, Recipe
-from tokstream.train.preemption import PreemptionWatch
+from tokstream.train.preemption import PREEMPTED_EXIT_STATUS, PreemptionWatch
 from tokstream.train.resume_policy import check_relaunch, keep_guard_rewinds, keep_run_order
 from tokstream.train.rewind import rewind, rewind_target
 from tokstream.train.spike_guard import SpikeGuard, advice, rewind_plan
@@ -74,8 +74,9 @@ class Run:
     relaunch: dict | None = None  # a resumed launch: from which step, after what; its first line in metrics.jsonl
 
 
-def setup(config: TrainConfig) -> Run:
-    """Build the run; with a checkpoint in run_dir, check it fits and continue from it."""
+def setup(config: TrainConfig, watch: PreemptionWatch | None = None) -> Run:
+    """Build the run; with a checkpoint in run_dir, check it fits and continue from it. `watch`: the preemption watch
+    the launch installed before anything long began."""
     if config.deterministic:
         use_deterministic_kernels()
     dist = Distributed.start(config.device)
@@ -87,7 +88,7 @@ def setup(config: TrainConfig) -> Run:
     store = open_run_store(config.run_dir, config.run_local, check_writable=dist.master)
     lease = hold_the_lease(store, config.lease_interval_s, dist)
     try:
-        return _build(config, dist, recipe, store, lease)
+        return _build(config, dist, recipe, store, lease, watch=watch)
     except BaseException:  # a refused relaunch gives the lease back at once, not at its process's exit
         if lease is not None:
             lease.release()
@@ -95,7 +96,7 @@ def setup(config: TrainConfig) -> Run:
 
 
 def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunStore, lease: RunLease | None,
-           rewind_to: int | None = None) -> Run:
+           rewind_to: int | None = None, watch: PreemptionWatch | None = None) -> Run:
     """setup()'s part under the run's lease: resume or start, and everything the loop uses. `rewind_to`: the guard's
     own rewind (in place of config.resume_from, which its branch keeps as the job's command gave it)."""
     rewound, rewind_to = False, config.resume_from if rewind_to is None else rewind_to
@@ -170,8 +171,10 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
         if after == "rewind" and guard is not None:  # the branch's data differs from the step it rewound to on
             guard.reset()
     dashboards = Dashboards.open(config, dashboard_state, takeover, store.local, dist.master)
+    watch = watch or PreemptionWatch()
+    watch.device = dist.device
     run = Run(config, dist, recipe, raw_model, model, optimizer, batches, progress, store, checkpointer, metrics,
-              PreemptionWatch(dist.device), autocast, peak_bf16_flops() if use_cuda else None, lease, guard=guard,
+              watch, autocast, peak_bf16_flops() if use_cuda else None, lease, guard=guard,
               dashboards=dashboards, relaunch=relaunch)
     line = enter_phase(run, progress.step)
     if line and dist.master:
@@ -354,8 +357,6 @@ def use_deterministic_kernels() -> None:
     torch.backends.cudnn.benchmark = False
 
 
-# sysexits' EX_TEMPFAIL, "try again later": what a preempted rank exits with.
-PREEMPTED_EXIT_STATUS = 75
 # sysexits' EX_DATAERR: guard.action stop met a spike. Not 75: the same command would train into the same spike, and
 # a scheduler requeueing on 75 (examples/slurm/train.sbatch) would do so forever; the relaunch needs its settings.
 SPIKE_STOP_EXIT_STATUS = 65
@@ -378,10 +379,11 @@ def run_job(config: TrainConfig) -> int:
 def train(config: TrainConfig) -> int:
     """Train until max_steps (0), a preemption notice (PREEMPTED_EXIT_STATUS, after a checkpoint) or a spike that
     guard.action stop ends the run at (SPIKE_STOP_EXIT_STATUS); the exit status."""
-    run = setup(config)
+    run = setup(config, PreemptionWatch())  # before anything long: a notice while starting ends the launch at once
     bar = progress_bar(run)
     first_step = run.progress.step
     run.model.train()
+    run.preemption.starting = False  # from here on a notice is a flag, and the loop saves at a step's end
     status = 0
     while run.progress.step < config.max_steps:
         if run.preemption.should_stop():  # collective: every rank stops at this same step
@@ -462,10 +464,9 @@ def rewind_at_spike(run: Run, spike: SpikeStop, bar: tqdm) -> Run | None:
     done = [*guard.rewinds_done, {"spike": spike.step, "resume_from": target, "skip_steps": skips}]
     branch = dataclasses.replace(config, skip_steps=skips, guard=dataclasses.replace(guard, rewinds_done=done))
     close_data(run)
-    rewound = _build(branch, run.dist, Recipe.open(branch, run.dist.world), run.store, run.lease, rewind_to=target)
-    rewound.preemption.received = run.preemption.received  # a notice during the rewind stops the branch at once
-    rewound.preemption.noticed_at = run.preemption.noticed_at
-    return rewound
+    # The launch's own watch: a notice during the rewind stops the branch at its first step boundary.
+    return _build(branch, run.dist, Recipe.open(branch, run.dist.world), run.store, run.lease, rewind_to=target,
+                  watch=run.preemption)
 
 
 def close_data(run: Run) -> None:
