@@ -255,16 +255,20 @@ def test_a_damaged_dataset_is_named_in_one_line_before_training_starts(tmp_path)
 def test_a_preemption_notice_ends_every_rank_with_status_75(dataset, tmp_path):
     """SIGUSR1 to one rank (Slurm's --signal): every rank checkpoints at the same step and exits with
     EX_TEMPFAIL (75); torchrun reports the first rank to exit as the job's root cause (and ends any
-    rank still exiting with SIGTERM), and itself fails, which a scheduler requeues on."""
+    rank still exiting with SIGTERM), and itself fails, which a scheduler requeues on. With a checkpoint at every
+    step, the notice's step is one a periodic save already wrote: the relaunch still records a preemption."""
     from tokstream.testing.processes import worker_pids
 
-    process = launch(2, dataset, tmp_path)
+    process = launch(2, dataset, tmp_path, "checkpoint_interval=1")
     wait_for(lambda: len(metrics(tmp_path)) >= 2 and len(worker_pids(process.pid)) == 2)
     os.kill(worker_pids(process.pid)[1], signal.SIGUSR1)
     output, _ = process.communicate(timeout=120)
     assert process.returncode != 0 and "preempted (signal to another rank): " in output, output[-3000:]
     root_cause = re.search(r"Root Cause \(first observed failure\):.*?exitcode\s*: (-?\d+) ", output, re.DOTALL)
     assert root_cause and root_cause.group(1) == "75", output[-3000:]
+    stopped = len(metrics(tmp_path))
+    train(2, dataset, tmp_path, "checkpoint_interval=1", f"max_steps={stopped + 1}")
+    assert metrics(tmp_path)[stopped]["relaunch"] == {"from_step": stopped, "after": "preemption"}
 
 
 def test_dataloader_workers_ignore_preemption_signals_and_the_run_goes_on_exactly(reference, dataset, tmp_path):

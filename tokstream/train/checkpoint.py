@@ -305,15 +305,15 @@ class Checkpointer:
         elif self.interval and step % self.interval == 0:
             self.save(step, background=self.background)
 
-    def save(self, step: int, background: bool = False) -> None:
-        """Collective (RNG states are gathered from every rank); a step already saved is not saved again."""
+    def save(self, step: int, background: bool = False) -> bool:
+        """Collective (RNG states are gathered from every rank); a step already saved is not saved again (False)."""
         if not background:
             self.wait()
             done = self.dist.gather(self.saved_step)[0] == step  # rank 0 knows whether it was written
             if done:
-                return
+                return False
         elif step == self.snapshot_step:
-            return
+            return False
         self.snapshot_step = step
         state = {name: component.state_dict() for name, component in self.components.items()}
         state["run"] = self.run_record
@@ -333,6 +333,7 @@ class Checkpointer:
             failure = self.dist.gather(failure if self.dist.master else None)[0]
             if failure is not None:
                 raise StoreError(f"checkpoint at step {step} not saved: {failure}")
+        return True
 
     def _write(self, step: int, state: dict, metrics: bytes | None) -> str | None:
         """Write the checkpoint; why it failed, or None."""

@@ -91,6 +91,22 @@ def pointer_step(store: RunStore) -> tuple[int | None, str | None]:
     return step, None
 
 
+def mark_stopped(store: RunStore, step: int, why: str) -> None:
+    """Say in LATEST why the run stopped at `step`, whose checkpoint a periodic save had already written (a notice on
+    that very step): the relaunch's record then says it too."""
+    store.publish_bytes(POINTER, json.dumps({"checkpoint": checkpoint_name(step), "step": step,
+                                             "stopped_by": why}).encode())
+
+
+def stopped_by(store: RunStore, step: int) -> str | None:
+    """Why the run stopped at `step`, where LATEST says it (mark_stopped); None otherwise."""
+    try:
+        said = json.loads(store.read_bytes(POINTER) or b"{}")
+    except ValueError:
+        return None
+    return said.get("stopped_by") if isinstance(said, dict) and said.get("step") == step else None
+
+
 def read_manifest(store: RunStore, step: int) -> dict | None:
     """The manifest of `step`, None when it is not one (unreadable JSON or fields missing)."""
     data = store.read_bytes(manifest_name(step))

@@ -25,7 +25,7 @@ from tokstream.errors import StoreError, UserError, no_space, out_of_space
 from tokstream.reader import (BatchPlan, Dataset, eval_batches, read_digest, read_sums, remove_stale_shared_memory,
                               to_device)
 from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
-from tokstream.train.checkpoint_files import Survey
+from tokstream.train.checkpoint_files import Survey, mark_stopped, stopped_by
 from tokstream.train.config import TrainConfig
 from tokstream.train.dashboards import DashboardState, Dashboards, Takeover
 from tokstream.train.distributed import Distributed, peer_gone
@@ -160,7 +160,8 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
     if saved is not None:
         # A launch that resumes at its resume_from starts the branch: rewinding now, or again after a kill before
         # the branch's first checkpoint.
-        after = "rewind" if rewound or rewind_to == progress.step else progress.stopped_by or "restart"
+        after = "rewind" if rewound or rewind_to == progress.step else (
+            progress.stopped_by or stopped_by(store, progress.step) or "restart")
         relaunch = {"from_step": progress.step, "after": after}
         if after == "rewind":  # the branch's first line: a rewind to the same step in another branch moves it aside
             relaunch["skip_steps"] = [list(pair) for pair in config.skip_steps]
@@ -533,7 +534,8 @@ def save_on_notice(run: Run, bar: tqdm) -> None:
     """A preemption notice: every rank checkpoints this step, and rank 0 says how long it took of the grace."""
     saving = time.monotonic()
     run.progress.stopped_by = "preemption"
-    run.checkpointer.save(run.progress.step)
+    if not run.checkpointer.save(run.progress.step) and run.dist.master:  # a periodic save wrote this step already
+        mark_stopped(run.store, run.progress.step, "preemption")
     bar.close()
     if run.dist.master:
         where = f"signal {run.preemption.received}" if run.preemption.received else "signal to another rank"
