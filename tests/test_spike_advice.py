@@ -27,7 +27,7 @@ def pasted(line: str) -> list[str]:
 
 @pytest.mark.parametrize("skips,spike", [
     ([], 50), ([[36, 37]], 32), ([[36, 37]], 36), ([[36, 37]], 37), ([[36, 37]], 34), ([[10, 12], [36, 37]], 37),
-    ([[36, 90]], 60), ([[36, 37]], 299), ([[36, 37], [200, 210]], 100)])
+    ([[36, 90]], 60), ([[36, 90]], 80), ([[36, 37]], 299), ([[36, 37], [200, 210]], 100)])
 def test_every_advice_is_accepted_when_pasted_and_leaves_the_spikes_data_out(skips, spike):
     """The advice after a spike at `spike` with skip_steps `skips` already set: pasted as printed, the relaunch is
     accepted (the config's own checks, and the relaunch policy against the checkpoint it names, which has not begun
