@@ -200,7 +200,7 @@ def test_the_guard_rewinds_by_itself_as_the_pasted_advice_would_also_through_a_s
     out, in the same job; the run afterwards equals, step by step (samples, losses bitwise), a run stopped at the spike
     (action stop) and relaunched with its advice pasted, and ends as it does (a second spike: the cap of one rewind
     reached, the same advice and exit 65: not 75, which a scheduler would requeue into the same spike). The abandoned
-    branch keeps the spike's line. SIGTERMed while it rewinds,
+    branch keeps the spike's line; the job's own command relaunched (a requeue) goes on in the guard's branch. SIGTERMed while it rewinds,
     the job exits 75 and its relaunch with the same command goes on to the same steps."""
     import re
 
@@ -232,6 +232,10 @@ def test_the_guard_rewinds_by_itself_as_the_pasted_advice_would_also_through_a_s
     assert final(auto_output) == final(manual_output)
     assert steps(auto) == steps(manual)
     (branch,) = (auto / "abandoned").iterdir()
+    # A requeue relaunches the job's own command: it goes on in the branch the guard chose (its skips kept), not refused.
+    requeued = launch(2, dataset, auto, *guard, "guard.action=rewind", "max_steps=32")
+    said = requeued.communicate(timeout=300)[0]
+    assert "begins at or before step" not in said and "resumed from" in said, said[-3000:]
     assert [m["guard"]["update"] for m in metrics(branch) if m["step"] == spike] == ["rewound"]
 
     interrupted = tmp_path / "interrupted"
