@@ -297,7 +297,7 @@ MUTATIONS = [
              "tokstream/train/preemption.py", "        if self.starting:\n", "        if False:\n",
              ("tests/test_s3.py", "-k", "notice_while")),
     Mutation("preemption record: a step saved already", "a relaunch records a preemption whenever a notice stopped it",
-             "tokstream/train/trainer.py", '        mark_stopped(run.store, run.progress.step, "preemption")',
+             "tokstream/train/trainer.py", '        publish_pointer(run.store, run.progress.step, stopped_by="preemption")',
              "        pass", ("tests/test_training.py", "-k", "status_75")),
     Mutation("skip: the stream moved one unit short", "a skip leaves out exactly its steps' data",
              "tokstream/train/trainer.py", "run.batches.move(phase, run.recipe.read_units_before(phase, first - 1))",

@@ -91,15 +91,15 @@ def pointer_step(store: RunStore) -> tuple[int | None, str | None]:
     return step, None
 
 
-def mark_stopped(store: RunStore, step: int, why: str) -> None:
-    """Say in LATEST why the run stopped at `step`, whose checkpoint a periodic save had already written (a notice on
-    that very step): the relaunch's record then says it too."""
-    store.publish_bytes(POINTER, json.dumps({"checkpoint": checkpoint_name(step), "step": step,
-                                             "stopped_by": why}).encode())
+def publish_pointer(store: RunStore, step: int, stopped_by: str | None = None) -> None:
+    """Point LATEST at checkpoint `step`; with `stopped_by`, say why the run stopped there (a notice on a step a
+    periodic save had already written: the relaunch's record then says it too)."""
+    pointer = {"checkpoint": checkpoint_name(step), "step": step, **({"stopped_by": stopped_by} if stopped_by else {})}
+    store.publish_bytes(POINTER, json.dumps(pointer).encode())
 
 
 def stopped_by(store: RunStore, step: int) -> str | None:
-    """Why the run stopped at `step`, where LATEST says it (mark_stopped); None otherwise."""
+    """Why the run stopped at `step`, where LATEST says it (publish_pointer); None otherwise."""
     try:
         said = json.loads(store.read_bytes(POINTER) or b"{}")
     except ValueError:
@@ -196,7 +196,7 @@ def write_checkpoint(store: RunStore, step: int, state: dict, keep: int, run_id:
     write_manifest(store, step, (writer.bytes, writer.digest.hexdigest()), run_id, state.get("run"))
     if metrics is not None:
         store.publish_bytes(METRICS_FILE, metrics)
-    store.publish_bytes(POINTER, json.dumps({"checkpoint": name, "step": step}).encode())
+    publish_pointer(store, step)
     remove_beyond_keep(store, keep, run_id, [*trusted, step], keep_every)
 
 

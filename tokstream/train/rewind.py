@@ -9,13 +9,13 @@ same command after a preemption goes on in the branch: a run rewinds only while 
 written by another branch. A rewind cut off is finished by the next launch (into a folder of its own).
 """
 
-import json
 import os
 import time
 from pathlib import Path
 
 from tokstream.errors import UserError
-from tokstream.train.checkpoint_files import HASH, Survey, checkpoint_name, manifest_name, mismatch, read_manifest
+from tokstream.train.checkpoint_files import (HASH, Survey, checkpoint_name, manifest_name, mismatch, publish_pointer,
+                                              read_manifest)
 from tokstream.train.metrics import METRICS_FILE, parse_records
 from tokstream.train.run_store import POINTER, LocalRunStore, RunStore
 
@@ -41,11 +41,12 @@ def rewind(store: RunStore, step: int, skips: list | None = None) -> str | None:
                         "give another step")
     # Microseconds: a guard that rewinds by itself may rewind twice in a second; the names sort as they were made.
     now = time.time()
-    folder = f"{ABANDONED}/after-{step:08d}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}{int(now % 1 * 1e6):06d}-{os.getpid()}"
+    stamp = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}{int(now % 1 * 1e6):06d}"
+    folder = f"{ABANDONED}/after-{step:08d}-{stamp}-{os.getpid()}"
     # Data files before manifests: a move cut off leaves a manifest without data, never the reverse.
     moved = [name for later_step in later for name in (checkpoint_name(later_step), manifest_name(later_step))]
     store.set_aside([METRICS_FILE, POINTER], moved, folder)
-    store.publish_bytes(POINTER, json.dumps({"checkpoint": checkpoint_name(step), "step": step}).encode())
+    publish_pointer(store, step)
     where = f"{store.url.rstrip('/')}/{folder}" if not isinstance(store, LocalRunStore) else (
         store.root / folder if store.root.parent == Path(".") else (store.root / folder).relative_to(store.root.parent))
     if later:

@@ -25,7 +25,7 @@ from tokstream.errors import StoreError, UserError, no_space, out_of_space
 from tokstream.reader import (BatchPlan, Dataset, eval_batches, read_digest, read_sums, remove_stale_shared_memory,
                               to_device)
 from tokstream.train.checkpoint import Checkpointer, Progress, find_latest
-from tokstream.train.checkpoint_files import Survey, mark_stopped, stopped_by
+from tokstream.train.checkpoint_files import Survey, publish_pointer, stopped_by
 from tokstream.train.config import TrainConfig
 from tokstream.train.dashboards import DashboardState, Dashboards, Takeover
 from tokstream.train.distributed import Distributed, peer_gone
@@ -535,7 +535,7 @@ def save_on_notice(run: Run, bar: tqdm) -> None:
     saving = time.monotonic()
     run.progress.stopped_by = "preemption"
     if not run.checkpointer.save(run.progress.step) and run.dist.master:  # a periodic save wrote this step already
-        mark_stopped(run.store, run.progress.step, "preemption")
+        publish_pointer(run.store, run.progress.step, stopped_by="preemption")
     bar.close()
     if run.dist.master:
         where = f"signal {run.preemption.received}" if run.preemption.received else "signal to another rank"
