@@ -100,7 +100,12 @@ def test_a_rewind_with_a_skip_trains_as_a_run_that_always_skipped_and_keeps_the_
     assert not (run_dir / "abandoned").exists() and latest_step(store) == 16  # a refused relaunch moved nothing
     branch = ["resume_from=8", "skip_steps=[[9,11]]", *keep_all]
     first = launch(2, dataset, run_dir, *branch)
-    wait_for(lambda: (run_dir / "abandoned").exists() and (latest_step(store) or 0) >= 12 and len(metrics(run_dir)) >= 13)
+
+    def the_branch_saved_12() -> bool:  # not the old run's 12 or 16 before the rewind moves them: step 9 relaunched
+        lines = metrics(run_dir)
+        return len(lines) >= 13 and "relaunch" in lines[8] and (latest_step(store) or 0) >= 12
+
+    wait_for(the_branch_saved_12)
     os.killpg(first.pid, signal.SIGTERM)
     said = first.communicate(timeout=120)[0]
     assert "resume_from=8: rewound; checkpoints 12, 16 and metrics.jsonl as it was moved to" in said, said

@@ -3,14 +3,18 @@ in-process): every advice is accepted when pasted, a rewind to the newest checkp
 setting that would silently do nothing is refused. The end-to-end runs are in test_loss_spikes.py."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import ROOT
 
 from tokstream.errors import UserError
 from tokstream.train.checkpoint_files import Survey, write_checkpoint
 from tokstream.train.config import load_config
 from tokstream.train.metrics import METRICS_FILE, parse_records
+from tokstream.train.preemption import PREEMPTED_EXIT_STATUS
 from tokstream.train.resume_policy import check_relaunch
 from tokstream.train.rewind import ABANDONED, abandoned_records, rewind
 from tokstream.train.run_store import LocalRunStore, S3RunStore
@@ -122,6 +126,10 @@ def test_a_rewind_to_the_newest_checkpoint_keeps_the_lines_it_cuts_and_not_its_o
                            "after it) copied to "), said
     assert Survey.of(store).complete == [8, 12]
     assert abandoned_records(run_dir, 12) == [lines_to(13)[-1], spike]
+    # Stopped after the rewind, before its relaunch cut the lines: the next launch finds them set aside already.
+    assert rewind(store, 12, [[14, 16]]) is None
+    if where == "local":
+        assert len(list((tmp_path / "run" / ABANDONED).iterdir())) == 1
     # The branch's first launch logs step 13 with its relaunch; killed before a checkpoint, relaunched: nothing moves.
     branch_start = {"step": 13, "loss": 0.5, "relaunch": {"from_step": 12, "after": "rewind", "skip_steps": [[14, 16]]}}
     saved_run(store, [], [*lines_to(12), branch_start])
@@ -133,3 +141,22 @@ def test_a_rewind_to_the_newest_checkpoint_keeps_the_lines_it_cuts_and_not_its_o
     if where == "local":
         assert len(list((tmp_path / "run" / ABANDONED).iterdir())) == 2
     assert parse_records(store.read_bytes(METRICS_FILE), METRICS_FILE)[-1] == branch_start  # the relaunch cuts it
+
+
+def test_a_notice_during_a_rewind_lets_its_moves_finish_and_then_ends_the_launch(tmp_path):
+    """SIGTERM while starting ends a launch at once, except inside PreemptionWatch.whole() (the rewind's moves): the
+    block finishes, then the launch ends with the preempted status and its one line."""
+    script = f"""
+import os, signal
+from pathlib import Path
+from tokstream.train.preemption import PreemptionWatch
+watch = PreemptionWatch()
+with watch.whole():
+    os.kill(os.getpid(), signal.SIGTERM)
+    Path({str(tmp_path / "moved")!r}).write_text("whole")
+Path({str(tmp_path / "after")!r}).write_text("not reached")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == PREEMPTED_EXIT_STATUS, done.stderr
+    assert done.stdout.startswith("preempted (signal 15) while starting: nothing trained in this launch"), done.stdout
+    assert (tmp_path / "moved").read_text() == "whole" and not (tmp_path / "after").exists()

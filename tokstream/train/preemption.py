@@ -3,6 +3,7 @@
 import os
 import signal
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -27,17 +28,37 @@ class PreemptionWatch:
         self.noticed_at: float | None = None  # time.monotonic() of the signal here, or of hearing of another rank's
         self.device = device
         self.starting = True
+        self._held: int | None = None  # inside whole(): None, or the notice that came meanwhile (0 for none)
         for signum in PREEMPTION_SIGNALS:
             signal.signal(signum, self._record)
 
     def _record(self, signum: int, frame: object) -> None:
-        if self.starting:
-            if os.environ.get("RANK", "0") == "0":
-                os.write(1, f"preempted (signal {signum}) while starting: nothing trained in this launch, nothing to "
-                            "save; exiting (a relaunch resumes from the run's newest checkpoint)\n".encode())
-            os._exit(PREEMPTED_EXIT_STATUS)  # not an exception: a thread's download would hold it until done
-        self.received = signum  # just a flag: the step in flight finishes normally
-        self.noticed_at = time.monotonic()
+        if self.starting and self._held is not None:
+            self._held = signum
+        elif self.starting:
+            self._exit_starting(signum)
+        else:
+            self.received = signum  # just a flag: the step in flight finishes normally
+            self.noticed_at = time.monotonic()
+
+    @staticmethod
+    def _exit_starting(signum: int) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            os.write(1, f"preempted (signal {signum}) while starting: nothing trained in this launch, nothing to "
+                        "save; exiting (a relaunch resumes from the run's newest checkpoint)\n".encode())
+        os._exit(PREEMPTED_EXIT_STATUS)  # not an exception: a thread's download would hold it until done
+
+    @contextmanager
+    def whole(self):
+        """A notice while starting waits for this block's end (a rewind's moves: milliseconds on a local disk), so
+        that what the block does is done whole, and the launch ends after it."""
+        self._held = 0
+        try:
+            yield
+        finally:
+            signum, self._held = self._held, None
+            if signum and self.starting:
+                self._exit_starting(signum)
 
     def should_stop(self) -> bool:
         flag = torch.tensor([1 if self.received is not None else 0], device=self.device)

@@ -6,7 +6,9 @@ copied whole, and the originals deleted once every copy has their size) and copi
 its own, then points LATEST at STEP; the relaunch then trims metrics.jsonl to
 STEP as any resume does. Every checkpoint the branch writes records resume_from in its config, so relaunching the
 same command after a preemption goes on in the branch: a run rewinds only while a checkpoint newer than STEP was
-written by another branch. A rewind cut off is finished by the next launch (into a folder of its own).
+written by another branch. A preemption notice during the moves waits for them (PreemptionWatch.whole); a rewind
+killed mid-way is finished by the next launch (into a folder of its own), and one stopped after its moves is not
+repeated (metrics.jsonl is already set aside, byte for byte).
 """
 
 import os
@@ -33,7 +35,7 @@ def rewind(store: RunStore, step: int, skips: list | None = None) -> str | None:
         raise UserError(f"resume_from={step}: the run has no complete checkpoint at step {step} (it has {have}); "
                         "give one of those steps (keep_checkpoints=0, or keep_every, keeps older ones)")
     later = sorted({s for s in survey.complete + survey.without_manifest + survey.stray_manifests if s > step})
-    if not later and not _lines_of_another_branch(store, step, skips):
+    if not later and (not _lines_of_another_branch(store, step, skips) or _already_set_aside(store, step)):
         return None
     problem = _target_problem(store, step)
     if problem is not None:
@@ -65,6 +67,16 @@ def _lines_of_another_branch(store: RunStore, step: int, skips: list | None) -> 
         return False
     began = records[0].get("relaunch") or {}
     return began != {"from_step": step, "after": "rewind", "skip_steps": [list(pair) for pair in skips or []]}
+
+
+def _already_set_aside(store: RunStore, step: int) -> bool:
+    """Whether metrics.jsonl, as it is now, is byte for byte the copy the newest rewind to `step` set aside: that
+    rewind moved everything and was stopped before the relaunch trimmed the lines; nothing is left to keep."""
+    folders = _abandoned_folders(store.url, step)
+    if not folders:
+        return False
+    relative = f"{ABANDONED}/{folders[-1].rstrip('/').rsplit('/', 1)[-1]}/{METRICS_FILE}"
+    return store.read_bytes(relative) == store.read_bytes(METRICS_FILE)
 
 
 def _target_problem(store: RunStore, step: int) -> str | None:
@@ -103,15 +115,21 @@ def on_branch(store: RunStore, newest: int, step: int) -> bool:
 def abandoned_records(run_dir: str, step: int) -> list[dict]:
     """The metrics.jsonl lines past `step` of the branch the newest rewind to `step` moved aside (train/plot.py draws
     them faded), from a local run_dir or one in S3; [] when there is none."""
-    from tokstream.object_store import S3Dataset, is_s3
     from tokstream.train.metrics import read_records
+
+    folders = _abandoned_folders(run_dir, step)
+    return [record for record in read_records(folders[-1]) if record["step"] > step] if folders else []
+
+
+def _abandoned_folders(run_dir: str, step: int) -> list[str]:
+    """The folders (paths, or URLs in S3) that rewinds to `step` set metrics.jsonl aside in, oldest first."""
+    from tokstream.object_store import S3Dataset, is_s3
 
     start = f"after-{step:08d}-"
     if is_s3(run_dir):
         root = f"{run_dir.rstrip('/')}/{ABANDONED}"
-        folders = sorted(f"{root}/{key.split('/')[0]}" for key in S3Dataset(root).keys()
-                         if key.startswith(start) and key.endswith(f"/{METRICS_FILE}"))
-    else:
-        folder = Path(run_dir) / ABANDONED
-        folders = sorted(str(path) for path in folder.glob(f"{start}*")) if folder.is_dir() else []
-    return [record for record in read_records(folders[-1]) if record["step"] > step] if folders else []
+        return sorted({f"{root}/{key.split('/')[0]}" for key in S3Dataset(root).keys()
+                       if key.startswith(start) and key.endswith(f"/{METRICS_FILE}")})
+    folder = Path(run_dir) / ABANDONED
+    return sorted(str(path) for path in folder.glob(f"{start}*") if (path / METRICS_FILE).exists()) \
+        if folder.is_dir() else []

@@ -104,7 +104,7 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
         target = rewind_target(store, rewind_to)
         if target is not None:  # a refused relaunch changes nothing: checked against the target before any move
             config, recipe = check_resume(config, recipe, dist, target, target["progress"]["step"])
-        rewound = rewind_when_asked(store, rewind_to, config.skip_steps, dist)
+        rewound = rewind_when_asked(store, rewind_to, config.skip_steps, dist, watch)
     checkpoint_url, saved = find_latest(store, dist)
     recipe.check_plans(saved["progress"]["step"] if saved is not None else 0)
     if saved is not None:  # before anything is built: a refused relaunch changes nothing
@@ -304,20 +304,23 @@ def check_resume(config: TrainConfig, recipe: Recipe, dist: Distributed, saved: 
     return config, recipe
 
 
-def rewind_when_asked(store: RunStore, step: int, skips: list, dist: Distributed) -> bool:
-    """resume_from: rank 0 moves aside what the run wrote after checkpoint `step` (rewind.py), under the lease; every
-    rank stops if it cannot. Whether it rewound (not when the run is already on that branch)."""
+def rewind_when_asked(store: RunStore, step: int, skips: list, dist: Distributed,
+                      watch: PreemptionWatch | None) -> bool:
+    """resume_from: rank 0 moves aside what the run wrote after checkpoint `step` (rewind.py), under the lease, whole
+    even when a preemption notice comes meanwhile; every rank stops if it cannot. Whether it rewound (not when the run
+    is already on that branch)."""
     said, refusal = None, None
     if dist.master:
-        try:
-            said = rewind(store, step, skips)
-        except (UserError, StoreError) as err:
-            refusal = str(err)
+        with watch.whole() if watch is not None else nullcontext():
+            try:
+                said = rewind(store, step, skips)
+            except (UserError, StoreError) as err:
+                refusal = str(err)
+            if said:
+                print(said, flush=True)
     said, refusal = dist.gather((said, refusal))[0]
     if refusal is not None:
         raise UserError(refusal)
-    if said and dist.master:
-        print(said)
     return bool(said)
 
 
