@@ -44,12 +44,19 @@ def test_every_format_gives_the_input_stream(tmp_path, stream):
     assert meta.source["splits"]["train"]["formats"] == ["nanogpt", "llmc", "npy"]
     assert meta.splits["train"].tokens == len(stream)
 
-    # A second split joins the same dataset; stock StreamingDataset reads both.
+    # A second split joins the same dataset; stock StreamingDataset reads both. A run over train goes on: its
+    # identity is unchanged (a split added elsewhere is not data it reads).
+    from tokstream.reader import DataConfig, open_dataset
+
+    train_only = open_dataset(DataConfig(remote=str(tmp_path / "out")))
     stream[:20_000].astype("<u2").tofile(tmp_path / "val.bin")
     done = run_script("convert/bin_to_mds.py", tmp_path / "val.bin", "--out", tmp_path / "out", "--split", "val",
                       "--block-size", "512")
     assert done.returncode == 0, done.stderr
     assert set(read_metadata(tmp_path / "out").splits) == {"train", "val"}
+    with_val = open_dataset(DataConfig(remote=str(tmp_path / "out")))
+    assert with_val.identity == train_only.identity and with_val.former_identity != train_only.former_identity
+    with_val.check_resumes(train_only.identity)
     from streaming import StreamingDataset
 
     val = StreamingDataset(local=str(tmp_path / "out"), split="val", shuffle=False, batch_size=1)

@@ -187,6 +187,23 @@ def test_the_start_up_line_and_the_checks_a_trainer_makes_on_relaunch(mixture, t
     other = open_dataset(DataConfig(remote=mixture.streams[1].remote))
     assert refusal(lambda: other.check_resumes(dataset.identity)) == (
         "the dataset differs from the one the checkpoint was trained on; use a new run_dir")
+    # What runs recorded before 2026-11-28 (metadata.json whole) is still this dataset, in a checkpoint or a state.
+    dataset.check_resumes(dataset.former_identity)
+    assert refusal(lambda: other.check_resumes(dataset.former_identity)).startswith("the dataset differs")
+    plan = BatchPlan(8, 4, 1)
+    batches = TrainBatches(dataset, plan)
+    next(batches)
+    state = {**batches.state_dict(), "dataset_identity": dataset.former_identity}
+    want = next(batches)["ids"].tolist()
+    batches.close()
+    resumed = TrainBatches(open_dataset(mixture), plan)
+    resumed.load_state_dict(state)
+    assert next(resumed)["ids"].tolist() == want
+    resumed.close()
+    foreign = TrainBatches(other, plan)
+    assert refusal(lambda: foreign.load_state_dict({**state, "dataset_identity": other.former_identity + "x"})) \
+        .startswith("the state is of another dataset")
+    foreign.close()
 
 
 def test_evaluation_batches_leave_out_a_split_too_small_for_every_rank_in_one_line(mixture):

@@ -98,7 +98,21 @@ def check_split(root: Path, split: str, metadata: DatasetMetadata, dataset: str,
 
 
 def dataset_identity(root: Path, split: str) -> str:
-    """Digest of the metadata and the split's index: a resumed run must see the very same samples."""
+    """Digest of what decides the split's samples, for a resumed run to see the very same ones: the metadata as it
+    concerns this split (the other splits' entries left out, so that a split added beside it changes nothing) and
+    the split's index."""
+    metadata = json.loads(Path(root, METADATA_FILE).read_bytes())
+    for holder in (metadata, metadata.get("source")):
+        if isinstance(holder, dict) and isinstance(holder.get("splits"), dict):
+            holder["splits"] = {name: entry for name, entry in holder["splits"].items() if name == split}
+    digest = hashlib.sha256(json.dumps(metadata, sort_keys=True).encode())
+    digest.update(Path(root, split, "index.json").read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def former_dataset_identity(root: Path, split: str) -> str:
+    """The identity runs recorded before 2026-11-28: metadata.json whole (a split added changed it) and the
+    split's index. Still accepted on resume, so that runs started then go on."""
     digest = hashlib.sha256(Path(root, METADATA_FILE).read_bytes())
     digest.update(Path(root, split, "index.json").read_bytes())
     return digest.hexdigest()[:16]

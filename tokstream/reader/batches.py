@@ -61,6 +61,7 @@ class TrainBatches:
         self.epoch_samples = dataset.epoch_samples(plan)  # per source
         self._of = order_of(dataset, plan)
         self._shuffle_by_size = dataset.shuffle_by_size
+        self._reads = dataset.reads
         self.loader = make_loader(config, config.split, plan.micro_batch_size, shuffle=True, pin_memory=pin_memory,
                                   choose=self.epoch_samples, sources=dataset.sources, reuse_slots=reuse_buffers,
                                   vocab_sizes=[m.vocab_size for m in dataset.metadata])
@@ -100,6 +101,8 @@ class TrainBatches:
             saved = state.get("shuffle_algo", OLD_DEFAULT_ALGO) if isinstance(state, dict) else None
             if saved in shuffle_names() and saved != self._of["shuffle_algo"]:
                 self._of["shuffle_algo"] = self.loader.dataset.shuffle_algo = saved
+        if isinstance(state, dict) and self._reads(state.get("dataset_identity")):
+            state = {**state, "dataset_identity": self._of["dataset_identity"]}  # the former identity of these samples
         self.loader.load_state_dict(checked_position(state, self._of, sum(self.epoch_samples)))
 
     def close(self) -> None:

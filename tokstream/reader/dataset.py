@@ -14,7 +14,7 @@ from tokstream.reader.batch_plan import BatchPlan
 from tokstream.reader.config import DataConfig
 from tokstream.reader.mixture import Source
 from tokstream.reader.streaming_door.streaming_internals import shuffle_names
-from tokstream.split_check import check_split, dataset_identity
+from tokstream.split_check import check_split, dataset_identity, former_dataset_identity
 
 
 def is_remote(path: str) -> bool:
@@ -97,6 +97,11 @@ class Dataset:
     identity: str  # of the train split(s): a resumed run must read the very same samples
     source_identities: tuple[str, ...] = ()  # each source's own, in sources' order
     shuffle_by_size: bool = False  # config.shuffle_algo was chosen by `auto`: a state's own order is taken instead
+    former_identity: str = ""  # what runs recorded before 2026-11-28 (split_check.former_dataset_identity)
+
+    def reads(self, recorded_identity: str) -> bool:
+        """Whether a checkpoint's or a state's recorded identity is this dataset's: its own, or the former one."""
+        return recorded_identity in (self.identity, self.former_identity)
 
     @property
     def source_names(self) -> list[str]:
@@ -147,7 +152,7 @@ class Dataset:
     def check_resumes(self, saved_identity: str) -> None:
         """Refuse to resume on other samples than a checkpoint's (the settings that order them: the trainer's
         resume_policy.py)."""
-        if saved_identity != self.identity:
+        if not self.reads(saved_identity):
             raise UserError("the dataset differs from the one the checkpoint was trained on; use a new run_dir")
 
 
@@ -163,7 +168,7 @@ def open_dataset(config: DataConfig, vocab_size: int | None = None, block_size: 
         raise UserError(f"data.shuffle_auto_lazy={config.shuffle_auto_lazy!r} is not one of the lazy orders: give "
                         f"{' or '.join(LAZY_ORDERS)}")
     sources = mixture.sources(config)
-    metadata, identities = [], []
+    metadata, identities, former = [], [], []
     for source in sources:
         root = fetch_index_files(source, (config.split, config.val_split))
         check_local_cache(source, (config.split, config.val_split))
@@ -176,12 +181,14 @@ def open_dataset(config: DataConfig, vocab_size: int | None = None, block_size: 
         for split in {config.split, config.val_split} & set(metadata[-1].splits):
             check_split(root, split, metadata[-1], source.remote.rstrip("/"), local_files=not is_remote(source.remote))
         identities.append(dataset_identity(root, config.split))
+        former.append(former_dataset_identity(root, config.split))
     mixture.check_same_tokens(sources, metadata)
     by_size = config.shuffle_algo == AUTO_SHUFFLE
     if by_size:
         config = dataclasses.replace(config, shuffle_algo=algo_for_size(config, [
             m.splits[config.split].samples for m in metadata]))
-    return Dataset(config, sources, metadata, mixture.identity(identities), tuple(identities), by_size)
+    return Dataset(config, sources, metadata, mixture.identity(identities), tuple(identities), by_size,
+                   mixture.identity(former))
 
 
 # data.shuffle_algo's default: each dataset's order chosen by its size (algo_for_size).

@@ -78,7 +78,7 @@ class Ledger:
         identities = run.get("phase_identities") or [run["dataset_identity"]]
         for phase, identity in zip(recipe.phases, identities):
             found = recipe.dataset(phase).identity
-            if started(phase, step) and found != identity:
+            if started(phase, step) and not recipe.dataset(phase).reads(identity):
                 data = phase.data.remote or ", ".join(s.remote for s in phase.data.streams)
                 raise UserError(f"{phase.name}'s data ({data}) is not the data the run read (identity {found}, the "
                                 f"run's {identity}): point the ledger at the run's data, e.g. data.remote=PATH")
