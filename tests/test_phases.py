@@ -155,6 +155,27 @@ def test_a_boundary_keeps_each_streams_position_and_a_mixture_reads_its_own(data
 
 
 @pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("skip", [(7, 8), (7, 9)])
+def test_a_skip_moves_its_stream_across_an_epoch_end_as_reading_would(data, order, skip):
+    """skip_steps in phases.1 (a at batch 8): its stream moves as the trainer moves it (PhasedBatches.move, to
+    Recipe.read_units_before), to a's epoch end at sample 40 exactly or past it to 48; a reads on from there, in
+    phases.1 and again in phases.3, the very stream read straight with the skipped samples left out."""
+    first, last = skip
+    recipe = Recipe.open(phased(data, f"data.shuffle_algo={order}", f"skip_steps=[[{first},{last}]]"), 1)
+    batches = PhasedBatches(recipe, pin_memory=False)
+    steps = read_steps(recipe, batches, 0, first - 1)
+    assert recipe.skip_at(first - 1) == skip
+    phase = recipe.at(first - 1)
+    batches.move(phase, recipe.read_units_before(phase, first - 1))
+    steps += read_steps(recipe, batches, first - 1, 14)
+    batches.close()
+    a = stream(DataConfig(remote=data["a"], shuffle_algo=order), 4, 100)
+    gone = 8 * (last - first + 1)  # samples of a the skipped steps would have read, from sample 24 on
+    assert sum(steps[:10] + steps[12:14], []) == a[:24] + a[24 + gone:72 + gone]
+    assert sorted(a[40:80]) == list(range(40))  # past the epoch end: epoch 1's order, every sample once
+
+
+@pytest.mark.parametrize("order", ORDERS)
 def test_each_sources_samples_and_tokens_are_counted_across_phases_and_carried_by_the_state(data, order):
     recipe = Recipe.open(phased(data, f"data.shuffle_algo={order}"), 1)
     batches = PhasedBatches(recipe, pin_memory=False)
