@@ -323,6 +323,10 @@ MUTATIONS = [
     Mutation("grace: torchrun's 30 s forgotten", "the grace line warns when torchrun would kill the save",
              "tokstream/train/grace.py", 'if "TORCHELASTIC_RUN_ID" in environ and', "if False and",
              ("tests/test_grace.py",)),
+    Mutation("identity: a former checkpoint's streams not found", "a run checkpointed before the identity changed "
+             "reads on where it stood", "tokstream/train/phased_batches.py",
+             "{streams.get(key, key): position for", "{key: position for",
+             ("tests/test_phases.py", "-k", "carried_by_the_state")),
     Mutation("rewind: a notice cuts its moves", "a preemption notice during a rewind lets the rewind finish whole",
              "tokstream/train/preemption.py", "        self._held = 0\n", "        self._held = None\n",
              ("tests/test_spike_advice.py", "-k", "notice_during_a_rewind")),

@@ -97,7 +97,12 @@ class Dataset:
     identity: str  # of the train split(s): a resumed run must read the very same samples
     source_identities: tuple[str, ...] = ()  # each source's own, in sources' order
     shuffle_by_size: bool = False  # config.shuffle_algo was chosen by `auto`: a state's own order is taken instead
-    former_identity: str = ""  # what runs recorded before 2026-11-28 (split_check.former_dataset_identity)
+    # What runs recorded before 2026-11-28, each source's (split_check.former_dataset_identity).
+    former_source_identities: tuple[str, ...] = ()
+
+    @property
+    def former_identity(self) -> str:
+        return mixture.identity(list(self.former_source_identities))
 
     def reads(self, recorded_identity: str) -> bool:
         """Whether a checkpoint's or a state's recorded identity is this dataset's: its own, or the former one."""
@@ -187,8 +192,7 @@ def open_dataset(config: DataConfig, vocab_size: int | None = None, block_size: 
     if by_size:
         config = dataclasses.replace(config, shuffle_algo=algo_for_size(config, [
             m.splits[config.split].samples for m in metadata]))
-    return Dataset(config, sources, metadata, mixture.identity(identities), tuple(identities), by_size,
-                   mixture.identity(former))
+    return Dataset(config, sources, metadata, mixture.identity(identities), tuple(identities), by_size, tuple(former))
 
 
 # data.shuffle_algo's default: each dataset's order chosen by its size (algo_for_size).

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from tokstream.reader import TrainBatches
-from tokstream.train.phases import Phase, Recipe
+from tokstream.train.phases import Phase, Recipe, stream_key
 
 
 class PhasedBatches:
@@ -82,8 +82,13 @@ class PhasedBatches:
         if "streams" not in state:
             self.positions = {self.recipe.stream(self.recipe.phases[0]): state}
             return
-        self.positions = dict(state["streams"])
-        self.consumed = {key: dict(totals) for key, totals in state["consumed"].items()}
+        # A checkpoint made before 2026-11-28 filed streams and sources under their former identities.
+        streams, sources = {}, {}
+        for dataset in self.recipe.datasets:
+            streams[stream_key(dataset, former=True)] = stream_key(dataset)
+            sources.update(zip(dataset.former_source_identities, dataset.source_identities))
+        self.positions = {streams.get(key, key): position for key, position in state["streams"].items()}
+        self.consumed = {sources.get(key, key): dict(totals) for key, totals in state["consumed"].items()}
 
     def close(self) -> None:
         if self.batches is not None:

@@ -318,7 +318,9 @@ def _where(phase: Phase) -> str:
     return phase.data.remote or ", ".join(stream.remote for stream in phase.data.streams)
 
 
-def stream_key(dataset: Dataset) -> str:
-    """What makes phases read one stream: the same datasets (their identity) with the same weights."""
+def stream_key(dataset: Dataset, former: bool = False) -> str:
+    """What makes phases read one stream: the same datasets (their identity) with the same weights. `former`: the
+    key checkpoints made before 2026-11-28 filed it under (Dataset.former_identity)."""
+    identity = dataset.former_identity if former else dataset.identity
     weights = [(source.weight, source.value) for source in dataset.sources]
-    return dataset.identity if weights == [(None, None)] else f"{dataset.identity} {weights}"
+    return identity if weights == [(None, None)] else f"{identity} {weights}"
