@@ -328,7 +328,7 @@ MUTATIONS = [
              "{streams.get(key, key): position for", "{key: position for",
              ("tests/test_phases.py", "-k", "carried_by_the_state")),
     Mutation("rewind: a notice cuts its moves", "a preemption notice during a rewind lets the rewind finish whole",
-             "tokstream/train/preemption.py", "        self._held = 0\n", "        self._held = None\n",
+             "tokstream/train/preemption.py", "if self.starting and self._holding:", "if False:",
              ("tests/test_spike_advice.py", "-k", "notice_during_a_rewind")),
     Mutation("rewind: lines set aside already are copied again", "a launch stopped after its rewind does not rewind "
              "again", "tokstream/train/rewind.py", "    return store.read_bytes(relative) == store.read_bytes(METRICS_FILE)",

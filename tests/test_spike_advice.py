@@ -143,20 +143,30 @@ def test_a_rewind_to_the_newest_checkpoint_keeps_the_lines_it_cuts_and_not_its_o
     assert parse_records(store.read_bytes(METRICS_FILE), METRICS_FILE)[-1] == branch_start  # the relaunch cuts it
 
 
-def test_a_notice_during_a_rewind_lets_its_moves_finish_and_then_ends_the_launch(tmp_path):
-    """SIGTERM while starting ends a launch at once, except inside PreemptionWatch.whole() (the rewind's moves): the
-    block finishes, then the launch ends with the preempted status and its one line."""
+@pytest.mark.parametrize("block_raises", [False, True])
+def test_a_notice_during_a_rewind_lets_its_moves_finish_and_then_ends_the_launch(tmp_path, block_raises):
+    """SIGTERM while starting ends a launch at once, except inside PreemptionWatch.whole() (the rewind's moves, nested
+    here): the block finishes, then the launch ends with the preempted status and its one line. An error in the block
+    is raised as without a notice (not passed off as a preemption that a scheduler would requeue)."""
     script = f"""
 import os, signal
 from pathlib import Path
 from tokstream.train.preemption import PreemptionWatch
 watch = PreemptionWatch()
 with watch.whole():
-    os.kill(os.getpid(), signal.SIGTERM)
+    with watch.whole():
+        os.kill(os.getpid(), signal.SIGTERM)
     Path({str(tmp_path / "moved")!r}).write_text("whole")
+    if {block_raises}:
+        raise PermissionError("the run directory is read-only")
 Path({str(tmp_path / "after")!r}).write_text("not reached")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == PREEMPTED_EXIT_STATUS, done.stderr
-    assert done.stdout.startswith("preempted (signal 15) while starting: nothing trained in this launch"), done.stdout
     assert (tmp_path / "moved").read_text() == "whole" and not (tmp_path / "after").exists()
+    if block_raises:
+        assert done.returncode == 1 and "PermissionError: the run directory is read-only" in done.stderr, done.stderr
+        assert "preempted" not in done.stdout
+    else:
+        assert done.returncode == PREEMPTED_EXIT_STATUS, done.stderr
+        assert done.stdout.startswith("preempted (signal 15) while starting: nothing trained in this launch"), \
+            done.stdout

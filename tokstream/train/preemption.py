@@ -28,12 +28,13 @@ class PreemptionWatch:
         self.noticed_at: float | None = None  # time.monotonic() of the signal here, or of hearing of another rank's
         self.device = device
         self.starting = True
-        self._held: int | None = None  # inside whole(): None, or the notice that came meanwhile (0 for none)
+        self._holding = 0  # how many whole() blocks are open
+        self._held: int | None = None  # the notice that came inside them
         for signum in PREEMPTION_SIGNALS:
             signal.signal(signum, self._record)
 
     def _record(self, signum: int, frame: object) -> None:
-        if self.starting and self._held is not None:
+        if self.starting and self._holding:
             self._held = signum
         elif self.starting:
             self._exit_starting(signum)
@@ -51,14 +52,15 @@ class PreemptionWatch:
     @contextmanager
     def whole(self):
         """A notice while starting waits for this block's end (a rewind's moves: milliseconds on a local disk), so
-        that what the block does is done whole, and the launch ends after it."""
-        self._held = 0
+        that what the block does is done whole, and the launch ends after it; an error in the block is raised as
+        it would be without a notice."""
+        self._holding += 1
         try:
             yield
         finally:
-            signum, self._held = self._held, None
-            if signum and self.starting:
-                self._exit_starting(signum)
+            self._holding -= 1  # from here a notice ends the launch itself; one that came before is in _held
+        if not self._holding and self._held is not None and self.starting:
+            self._exit_starting(self._held)
 
     def should_stop(self) -> bool:
         flag = torch.tensor([1 if self.received is not None else 0], device=self.device)
