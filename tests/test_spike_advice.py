@@ -16,7 +16,7 @@ from tokstream.train.config import load_config
 from tokstream.train.metrics import METRICS_FILE, parse_records
 from tokstream.train.preemption import PREEMPTED_EXIT_STATUS
 from tokstream.train.resume_policy import check_relaunch
-from tokstream.train.rewind import ABANDONED, abandoned_records, rewind
+from tokstream.train.rewind import ABANDONED, abandoned_records, rewind, rewind_target
 from tokstream.train.run_store import LocalRunStore, S3RunStore
 from tokstream.train.spike_guard import MIN_HISTORY, SpikeGuard, advice, skips_with_spike
 
@@ -31,7 +31,8 @@ def pasted(line: str) -> list[str]:
 
 @pytest.mark.parametrize("skips,spike", [
     ([], 50), ([[36, 37]], 32), ([[36, 37]], 36), ([[36, 37]], 37), ([[36, 37]], 34), ([[10, 12], [36, 37]], 37),
-    ([[36, 90]], 60), ([[36, 90]], 80), ([[36, 37]], 299), ([[36, 37], [200, 210]], 100)])
+    ([[36, 90]], 60), ([[36, 90]], 80), ([[36, 37]], 299), ([[36, 37], [200, 210]], 100), ([[20, 30]], 25),
+    ([[250, 260]], 255), ([[280, 290]], 295), ([[100, 110]], 111)])
 def test_every_advice_is_accepted_when_pasted_and_leaves_the_spikes_data_out(skips, spike):
     """The advice after a spike at `spike` with skip_steps `skips` already set: pasted as printed, the relaunch is
     accepted (the config's own checks, and the relaunch policy against the checkpoint it names, which has not begun
@@ -46,22 +47,32 @@ def test_every_advice_is_accepted_when_pasted_and_leaves_the_spikes_data_out(ski
 
     def jump(skip_steps, step):  # steps of data a step reads past its number (a skip jumps at its first step)
         return sum(last - first + 1 for first, last in skip_steps if first <= step)
-    if max(last for _, last in relaunch.skip_steps) < 300:  # not cut short by max_steps
-        assert jump(relaunch.skip_steps, spike) >= jump(skips, spike) + 5
+    spikes_data = spike + jump(skips, spike)
+    read = {step + jump(relaunch.skip_steps, step) for step in range(target + 1, 301)}
+    assert spikes_data not in read  # no step of the relaunch trains on it, before the spike's step or after
+    if max(last for _, last in relaunch.skip_steps) < 300:  # not cut short by max_steps: the whole window left out
+        assert not read & set(range(spikes_data, spikes_data + 5))
     assert all(last <= 300 for _, last in relaunch.skip_steps)
 
 
 def test_the_spikes_skip_is_merged_sorted_joined_and_ends_at_max_steps():
     assert skips_with_spike([[36, 37]], 32, 3, 100) == [[32, 34], [36, 37]]
     assert skips_with_spike([[36, 37]], 36, 3, 100) == [[36, 40]]  # at a skip's first step: it grows
-    assert skips_with_spike([[36, 37]], 37, 3, 100) == [[36, 40]]  # inside it: the same
+    assert skips_with_spike([[36, 37]], 37, 3, 100) == [[36, 41]]  # inside it: by the steps it is in, too
+    assert skips_with_spike([[10, 20]], 15, 3, 100) == [[10, 28]]  # step 15 read step 26's data: from 10, read 29 on
+    assert skips_with_spike([[90, 95]], 93, 5, 100) == [[90, 100]]  # the spike's data left out, the window cut
+    assert skips_with_spike([[90, 100]], 95, 3, 100) is None  # a skip to step 100 still reads step 106's data
+    assert advice([80], 95, [[90, 100]], rewind=5, skip=3, max_steps=100) == (
+        "no skip can: step 95 is inside skip_steps [90, 100], which reads the data of step 106, and leaving that out "
+        "needs the skip to end past max_steps=100: raise max_steps, or relaunch from an earlier checkpoint with other "
+        "settings (a lower learning rate)")
     assert skips_with_spike([[36, 37]], 34, 3, 100) == [[34, 37]]  # overlapping the next: joined
     assert skips_with_spike([], 31, 200, 40) == [[31, 40]]  # never past max_steps (it would be refused)
 
 
 def test_the_advice_says_when_no_checkpoint_is_guard_rewind_steps_back_and_when_none_comes_before():
     said = advice([10, 20, 30], 37, [[36, 37]], rewind=100, skip=3, max_steps=100)
-    assert said == ("relaunch with: resume_from=30 skip_steps=[[36,40]] (no kept checkpoint is guard.rewind=100 steps "
+    assert said == ("relaunch with: resume_from=30 skip_steps=[[36,41]] (no kept checkpoint is guard.rewind=100 steps "
                     "before it: step 30 is the newest before step 36)")
     assert advice([], 37, [], rewind=100, skip=3, max_steps=100) == (
         "no kept checkpoint comes before step 37: train again in a new run_dir with skip_steps=[[37,39]]")
@@ -95,10 +106,11 @@ def test_the_guard_judges_again_only_once_its_window_refills_after_a_reset():
     assert guard.judge(500.0, 1.0) is not None
 
 
-def saved_run(store, steps: list[int], lines: list[dict]) -> None:
+def saved_run(store, steps: list[int], lines: list[dict], config: dict | None = None) -> None:
+    """Checkpoints at `steps` (their run's config `config`) and metrics.jsonl holding `lines`."""
     for step in steps:
-        write_checkpoint(store, step, {"progress": {"step": step}, "weights": torch.zeros(4)}, 0, "run",
-                         trusted=Survey.of(store).complete)
+        state = {"progress": {"step": step}, "weights": torch.zeros(4), "run": {"config": config or {}}}
+        write_checkpoint(store, step, state, 0, "run", trusted=Survey.of(store).complete)
     store.publish_bytes(METRICS_FILE, "".join(json.dumps(line) + "\n" for line in lines).encode())
 
 
@@ -141,6 +153,24 @@ def test_a_rewind_to_the_newest_checkpoint_keeps_the_lines_it_cuts_and_not_its_o
     if where == "local":
         assert len(list((tmp_path / "run" / ABANDONED).iterdir())) == 2
     assert parse_records(store.read_bytes(METRICS_FILE), METRICS_FILE)[-1] == branch_start  # the relaunch cuts it
+
+
+def test_new_advice_with_the_same_resume_from_rewinds_a_branch_that_its_own_relaunch_goes_on_in(tmp_path):
+    """A branch from 8 (skip_steps [[9,11]]) saved 12 and 16; a spike there advises resume_from=8 again with one more
+    skip: that rewinds, the branch's checkpoints and lines set aside. A relaunch of the branch's own command, or one
+    whose skips the branch holds (the guard's rewinds join them into larger ones), goes on in it."""
+    store = LocalRunStore(tmp_path / "run")
+    saved_run(store, [4, 8], lines_to(8))
+    branch_start = {"step": 9, "loss": 0.5, "relaunch": {"from_step": 8, "after": "rewind", "skip_steps": [[9, 11]]}}
+    saved_run(store, [12, 16], [*lines_to(8), branch_start, *lines_to(17)[9:]],
+              config={"resume_from": 8, "skip_steps": [[9, 11], [14, 15]]})
+    for own in ([[9, 11]], [[9, 11], [14, 15]]):
+        assert rewind(store, 8, own) is None and rewind_target(store, 8, own) is None
+    advised = [[9, 11], [14, 15], [17, 19]]
+    assert rewind_target(store, 8, advised) == {"run": {"config": {}}, "progress": {"step": 8}}
+    said = rewind(store, 8, advised)
+    assert said.startswith("resume_from=8: rewound; checkpoints 12, 16 and metrics.jsonl as it was moved to"), said
+    assert Survey.of(store).complete == [4, 8] and abandoned_records(str(tmp_path / "run"), 8)[0] == branch_start
 
 
 @pytest.mark.parametrize("block_raises", [False, True])

@@ -28,7 +28,7 @@ def rewind(store: RunStore, step: int, skips: list | None = None) -> str | None:
     """Move aside what the run wrote after checkpoint `step` unless it is this rewind's own branch (resumed at `step`
     with skip_steps `skips`); the line that says where, or None when there was nothing to move."""
     survey = Survey.of(store)
-    if survey.complete and on_branch(store, survey.complete[-1], step):
+    if survey.complete and on_branch(store, survey.complete[-1], step, skips):
         return None  # the branch this rewind began goes on (its checkpoint at `step` may have been retired since)
     if step not in survey.complete:
         have = ", ".join(map(str, survey.complete)) or "none"
@@ -90,14 +90,14 @@ def _target_problem(store: RunStore, step: int) -> str | None:
     return None if size == manifest.get("bytes") else f"{size} bytes, its manifest says {manifest.get('bytes')}"
 
 
-def rewind_target(store: RunStore, step: int) -> dict | None:
+def rewind_target(store: RunStore, step: int, skips: list | None = None) -> dict | None:
     """When a rewind to `step` is due: {"run": the target's run record, "progress": {"step": step}}, so that the
     relaunch is checked against it before anything moves; None when no rewind is due (or it is refused: rewind()
     says why)."""
     survey = Survey.of(store)
     if step not in survey.complete or not [s for s in survey.complete + survey.without_manifest if s > step]:
         return None
-    if on_branch(store, survey.complete[-1], step):
+    if on_branch(store, survey.complete[-1], step, skips):
         return None
     manifest = read_manifest(store, step) or {}
     if not isinstance(manifest.get("run"), dict):
@@ -105,11 +105,15 @@ def rewind_target(store: RunStore, step: int) -> dict | None:
     return {"run": manifest["run"], "progress": {"step": step}}
 
 
-def on_branch(store: RunStore, newest: int, step: int) -> bool:
-    """Whether the newest checkpoint was written by a launch that rewound to `step`: its config says so."""
+def on_branch(store: RunStore, newest: int, step: int, skips: list | None) -> bool:
+    """Whether the newest checkpoint was written by a launch that rewound to `step` with these skips (its config
+    says so; each of `skips` within one of its skips, which the guard's own rewinds may have joined into larger
+    ones): a relaunch of that branch's command. New advice with the same resume_from adds a skip it does not hold."""
     manifest = read_manifest(store, newest) or {}
     config = (manifest.get("run") or {}).get("config") or {}
-    return config.get("resume_from") == step
+    held = [pair for pair in config.get("skip_steps") or [] if isinstance(pair, list) and len(pair) == 2]
+    return config.get("resume_from") == step and all(
+        any(first <= pair[0] and pair[1] <= last for first, last in held) for pair in skips or [])
 
 
 def abandoned_records(run_dir: str, step: int) -> list[dict]:

@@ -55,14 +55,18 @@ def _zscore(value: float, history: deque) -> float | None:
     return (value - mean) / spread if spread > 0 else (0.0 if value == mean else math.inf)
 
 
-def skips_with_spike(skips: list[list[int]], spike: int, skip: int, max_steps: int) -> list[list[int]]:
-    """skip_steps that also leave out `skip` steps' data from the spike on: sorted, overlaps joined, none past
-    max_steps. A spike at or inside a skip [a, b] read data b - a + 1 steps on: that skip grows by `skip` (the format
-    has one jump per skip, at its first step); elsewhere [spike, spike + skip - 1] is added."""
+def skips_with_spike(skips: list[list[int]], spike: int, skip: int, max_steps: int) -> list[list[int]] | None:
+    """skip_steps that also leave out `skip` steps' data from the spike's on: sorted, overlaps joined, none past
+    max_steps (the window is cut there). Elsewhere than in a skip, [spike, spike + skip - 1] is added. A spike inside
+    a skip [a, b] read the data of step spike + (b - a + 1) (one jump per skip, at its first step): the skip grows
+    by (spike - a) + `skip`, so that from step a on the run reads past that window. None where a skip ending at
+    max_steps would still read the spike's own data."""
     skips = sorted([list(pair) for pair in skips])
     holding = next((pair for pair in skips if pair[0] <= spike <= pair[1]), None)
     if holding is not None:
-        holding[1] = min(holding[1] + skip, max_steps)
+        if holding[1] + spike - holding[0] + 1 > max_steps:
+            return None
+        holding[1] = min(holding[1] + spike - holding[0] + skip, max_steps)
     else:
         skips.append([spike, min(spike + skip - 1, max_steps)])
         skips.sort()
@@ -81,12 +85,14 @@ def joined(skips: list) -> list[list[int]]:
 
 
 def rewind_plan(saved: list[int], spike: int, skips: list[list[int]], rewind: int, skip: int,
-                max_steps: int) -> tuple[int | None, list[list[int]], int, bool]:
+                max_steps: int) -> tuple[int | None, list[list[int]] | None, int, bool]:
     """Where to rewind after a spike at `spike`: the newest of the `saved` checkpoints at least `rewind` steps before
     it (or the nearest before it: `near`), with the skips and the spike's. The checkpoint comes before every skip that
     changes, which a relaunch must not have trained (`limit`: the last step it may be). (target or None, skips,
-    limit, near)."""
+    limit, near); skips None where no skip can leave the spike's data out (skips_with_spike)."""
     new_skips = skips_with_spike(skips, spike, skip, max_steps)
+    if new_skips is None:
+        return None, None, spike - 1, False
     changed = [pair for pair in new_skips if pair not in [list(old) for old in skips]]
     limit = min((pair[0] for pair in changed), default=spike) - 1
     far = [step for step in saved if step <= min(limit, spike - 1 - rewind)]
@@ -97,6 +103,12 @@ def rewind_plan(saved: list[int], spike: int, skips: list[list[int]], rewind: in
 def advice(saved: list[int], spike: int, skips: list[list[int]], rewind: int, skip: int, max_steps: int) -> str:
     """What to relaunch with after a spike at `spike` (guard.action stop): rewind_plan's checkpoint and skips."""
     target, new_skips, limit, near = rewind_plan(saved, spike, skips, rewind, skip, max_steps)
+    if new_skips is None:
+        holding = next([a, b] for a, b in skips if a <= spike <= b)
+        return (f"no skip can: step {spike} is inside skip_steps {holding}, which reads the data of step "
+                f"{spike + holding[1] - holding[0] + 1}, and leaving that out needs the skip to end past "
+                f"max_steps={max_steps}: raise max_steps, or relaunch from an earlier checkpoint with other settings "
+                "(a lower learning rate)")
     settings = "skip_steps=" + json.dumps(new_skips, separators=(",", ":"))
     if target is None:
         return f"no kept checkpoint comes before step {limit + 1}: train again in a new run_dir with {settings}"

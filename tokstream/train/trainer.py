@@ -101,7 +101,7 @@ def _build(config: TrainConfig, dist: Distributed, recipe: Recipe, store: RunSto
     own rewind (in place of config.resume_from, which its branch keeps as the job's command gave it)."""
     rewound, rewind_to = False, config.resume_from if rewind_to is None else rewind_to
     if rewind_to is not None:
-        target = rewind_target(store, rewind_to)
+        target = rewind_target(store, rewind_to, config.skip_steps)
         if target is not None:  # a refused relaunch changes nothing: checked against the target before any move
             config, recipe = check_resume(config, recipe, dist, target, target["progress"]["step"])
         rewound = rewind_when_asked(store, rewind_to, config.skip_steps, dist, watch)
