@@ -93,6 +93,13 @@ def test_settings_that_would_silently_do_nothing_are_refused_in_one_line():
     assert "YAML reads A:B as a number in base 60" in refusal("skip_steps=12:14")
     assert refusal("resume_from=4.5") == "command line: resume_from must be a whole number, got 4.5"
     load_config(None, ["data.remote=d", "guard.window=16", "max_steps=24", "skip_steps=[[22,24]]"])
+    # guard.rewinds_done is the guard's record: hand-made entries would be counted, or fail a later relaunch.
+    for done in ("[1,2]", "[{spike: 3}]", "[{},{},{}]", "[{spike: 9, resume_from: 9, skip_steps: [[9,12]]}]",
+                 "[{spike: 9, resume_from: 4, skip_steps: [[12,9]]}]", "7"):
+        assert refusal(f"guard.rewinds_done={done}").endswith(
+            "it is recorded by the guard's own rewinds ({spike, resume_from, skip_steps} each), not set by hand; "
+            "leave it out"), done
+    load_config(None, ["data.remote=d", "guard.rewinds_done=[{spike: 9, resume_from: 4, skip_steps: [[9,12]]}]"])
 
 
 def test_the_guard_judges_again_only_once_its_window_refills_after_a_reset():

@@ -174,7 +174,9 @@ def _apply(target: object, key: str, value: object, where: str, prefix: str = ""
                                                        (expected is int and isinstance(value, bool))):
         if full == "skip_steps":
             check_skips(value)  # its own line: 12:14 is a number to YAML
-        what = {int: "a whole number", float: "a number", str: "text"}.get(expected, expected.__name__)
+        if full == "guard.rewinds_done":
+            check_rewinds_done(value)
+        what = {int: "a whole number", float: "a number", str: "text", list: "a list"}.get(expected, expected.__name__)
         raise UserError(f"{where}: {full} must be {what}, got {value!r}")
     _check_plain(value, f"{where}: {full}")
     setattr(target, head, value)
@@ -352,6 +354,26 @@ def check_ranges(config: TrainConfig) -> None:
                         "each head takes an equal share of the embedding")
 
 
+def check_rewinds_done(done: object) -> None:
+    """guard.rewinds_done as the guard records it: [{"spike", "resume_from", "skip_steps"}, ...], each rewind to a
+    step before its spike; one line refusing anything else (a relaunch would otherwise fail on it, or count it)."""
+    def whole(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    for entry in done if isinstance(done, list) else [None]:
+        valid = (isinstance(entry, dict) and set(entry) == {"spike", "resume_from", "skip_steps"}
+                 and whole(entry["spike"]) and whole(entry["resume_from"]) and entry["resume_from"] < entry["spike"])
+        if valid:
+            try:
+                check_skips(entry["skip_steps"])
+            except UserError:
+                valid = False
+        if not valid:
+            raise UserError(f"guard.rewinds_done holds {entry if isinstance(done, list) else done!r}: it is recorded "
+                            "by the guard's own rewinds ({spike, resume_from, skip_steps} each), not set by hand; "
+                            "leave it out")
+
+
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     """Defaults, then the YAML file, then `key=value` overrides (values parsed as YAML)."""
     config = TrainConfig()
@@ -366,6 +388,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     apply_overrides(config, overrides)
     check_ranges(config)
     check_skips(config.skip_steps, config.max_steps)
+    check_rewinds_done(config.guard.rewinds_done)
     if config.guard.action not in ("skip", "stop", "rewind"):
         raise UserError(f"guard.action must be skip (the spike's update is not applied), stop (exit 65 with the "
                         f"command that rewinds and skips) or rewind (that command's rewind, in the same job), got "
