@@ -103,6 +103,12 @@ def test_srun_tasks_get_torchruns_variables_and_a_batch_script_does_not():
         ranks_from_srun({k: v for k, v in task.items() if k != "MASTER_ADDR"})
     assert ranks_from_srun({**task, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1",
                             "MASTER_ADDR": ""}) == {}  # srun -n 1: one process, no group
+    # Inside a bigger allocation (the job's SLURM_NTASKS, SLURM_TASKS_PER_NODE): the step's own count decides.
+    allocation = {"SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "4(x2)"}
+    assert ranks_from_srun({**task, **allocation, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1",
+                            "SLURM_STEP_TASKS_PER_NODE": "1"}) == {}  # srun -n 1 in an 8-task job: no group of 8
+    assert ranks_from_srun({**task, **allocation}) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                                                       "LOCAL_WORLD_SIZE": "2"}
     assert tasks_per_node("8(x3),4") == [8, 8, 8, 4]
 
 

@@ -3,6 +3,7 @@ in-process): every advice is accepted when pasted, a rewind to the newest checkp
 setting that would silently do nothing is refused. The end-to-end runs are in test_loss_spikes.py."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -78,6 +79,18 @@ def test_the_advice_says_when_no_checkpoint_is_guard_rewind_steps_back_and_when_
         "no kept checkpoint comes before step 37: train again in a new run_dir with skip_steps=[[37,39]]")
 
 
+def test_a_relaunch_from_a_skips_first_step_keeps_that_skip_as_it_was():
+    """A checkpoint at step 12 of a run with skip_steps [[12,14]] trained step 12 after the skip's jump: from there
+    the skip can be neither removed, nor narrowed, nor widened; from step 11 it still may change."""
+    saved = load_config(None, [*BASE, "skip_steps=[[12,14]]"]).to_dict()
+    for now in ("[]", "[[12,16]]", "[[12,13]]"):
+        relaunch = load_config(None, [*BASE, f"skip_steps={now}"])
+        with pytest.raises(UserError, match="begins at or before step 12, which the checkpoint's run has trained"):
+            check_relaunch(saved, relaunch, 12)
+        assert check_relaunch(saved, relaunch, 11) == [f"skip_steps changed from [[12, 14]] to {json.loads(now)!r}, "
+                                                       "after the checkpoint's step 11"]
+
+
 def refusal(*settings: str) -> str:
     with pytest.raises(UserError) as refused:
         load_config(None, ["data.remote=d", *settings])
@@ -111,6 +124,45 @@ def test_the_guard_judges_again_only_once_its_window_refills_after_a_reset():
     for _ in range(MIN_HISTORY):
         assert guard.judge(50.0, 1.0) is None  # not judged against the old statistics: joins the new window
     assert guard.judge(500.0, 1.0) is not None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_inf_loss_or_gradient_norm_is_a_spike_and_never_enters_the_window(bad):
+    for history in (0, 40):  # before the window can judge, and after
+        guard = SpikeGuard(zscore=6, window=32)
+        for step in range(history):
+            assert guard.judge(3.0 + 0.01 * (step % 5), 1.0 + 0.01 * (step % 3)) is None
+        assert guard.judge(bad, 1.0) is not None and guard.judge(3.0, bad) is not None
+        assert all(math.isfinite(value) for value in [*guard.losses, *guard.norms]) and len(guard.losses) == min(history, 32)
+
+
+def test_the_guards_window_across_a_resume_judges_as_the_uninterrupted_guard():
+    """Its state (the window) saved mid-run and loaded into a fresh guard: every later judgement is the same, the
+    spike included; a guard that started empty would not judge it (its window too short)."""
+    steps = [(3.0 + 0.05 * math.sin(step), 1.0 + 0.02 * math.cos(step)) for step in range(60)]
+    steps[50] = (9.0, 5.0)
+    straight, first = SpikeGuard(zscore=6, window=32), SpikeGuard(zscore=6, window=32)
+    verdicts = [straight.judge(*step) for step in steps]
+    for step in steps[:40]:
+        first.judge(*step)
+    resumed = SpikeGuard(zscore=6, window=32)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # as a checkpoint holds it
+    assert [resumed.judge(*step) for step in steps[40:]] == verdicts[40:] and verdicts[50] is not None
+    fresh = SpikeGuard(zscore=6, window=32)
+    assert [fresh.judge(*step) for step in steps[40:]][10] is None
+
+
+def test_a_rewind_moves_a_save_cut_off_after_its_target_so_the_branch_never_overwrites_it(tmp_path):
+    """A save at 16 cut off before its manifest (the data file whole, or partial): the rewind to 8 sets it aside
+    with 12, so the branch's own save at 16 overwrites nothing."""
+    store = LocalRunStore(tmp_path / "run")
+    saved_run(store, [4, 8, 12], lines_to(16))
+    (tmp_path / "run" / "ckpt-00000016.pt").write_bytes(b"a save cut off before its manifest")
+    said = rewind(store, 8, [[9, 11]])
+    assert said.startswith("resume_from=8: rewound; checkpoints 12, 16 and metrics.jsonl as it was moved to"), said
+    (folder,) = (tmp_path / "run" / ABANDONED).iterdir()
+    assert (folder / "ckpt-00000016.pt").read_bytes() == b"a save cut off before its manifest"
+    assert not (tmp_path / "run" / "ckpt-00000016.pt").exists()
 
 
 def saved_run(store, steps: list[int], lines: list[dict], config: dict | None = None) -> None:

@@ -26,7 +26,8 @@ class SpikeGuard:
     def judge(self, loss: float, grad_norm: float) -> dict | None:
         """The step's z-scores when it is a spike (it stays out of the window); else None, and it joins the window."""
         scores = {"loss_z": _zscore(loss, self.losses), "grad_norm_z": _zscore(grad_norm, self.norms)}
-        if any(score is not None and score > self.zscore for score in scores.values()) or not math.isfinite(loss):
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)  # a NaN or inf is a spike, window or not
+        if any(score is not None and score > self.zscore for score in scores.values()) or not finite:
             return {key: (round(score, 2) if score is not None else None) for key, score in scores.items()}
         self.losses.append(loss)
         self.norms.append(grad_norm)
