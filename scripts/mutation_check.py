@@ -352,6 +352,10 @@ MUTATIONS = [
              "tokstream/slurm.py", 'int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1")))',
              'int(environ.get("SLURM_NTASKS", environ.get("SLURM_STEP_NUM_TASKS", "1")))',
              ("tests/test_slurm.py", "-k", "srun_tasks_get")),
+    Mutation("order files: the digest leaves out the streams' counts", "mixtures at other weights sharing an "
+             "order_dir each read their own order", "tokstream/reader/order/order_files.py",
+             '("shards_per_stream", "chooses", "sampling_method",', '("shards_per_stream", "sampling_method",',
+             ("tests/test_order_files.py", "-k", "other_weights")),
     Mutation("rewind: a notice cuts its moves", "a preemption notice during a rewind lets the rewind finish whole",
              "tokstream/train/preemption.py", "if self.starting and self._holding:", "if False:",
              ("tests/test_spike_advice.py", "-k", "notice_during_a_rewind")),

@@ -63,6 +63,19 @@ def test_a_reader_with_order_files_reads_the_samples_it_reads_without_them(mixtu
         assert ids.dtype == np.uint32 and ids.shape == (epoch,)
 
 
+def test_mixtures_of_the_same_datasets_at_other_weights_share_an_order_dir_and_each_reads_its_own(mixture, tmp_path):
+    """The same two datasets at other proportions (two phases of one run do this), one order_dir: each epoch file is
+    its own mixture's, and each reads what its in-memory order gives, whichever built first."""
+    other = dataclasses.replace(mixture, streams=[dataclasses.replace(mixture.streams[0], proportion=0.4),
+                                                  dataclasses.replace(mixture.streams[1], proportion=0.6)])
+    plan, shared = BatchPlan(8, 4, 1), str(tmp_path / "orders")
+    assert sum(open_dataset(other).epoch_samples(plan)) == sum(open_dataset(mixture).epoch_samples(plan))
+    in_memory = {id(config): read(config, plan, 12)[0] for config in (mixture, other)}
+    assert in_memory[id(mixture)] != in_memory[id(other)]
+    for config in (mixture, other, mixture):
+        assert read(dataclasses.replace(config, order_dir=shared), plan, 12)[0] == in_memory[id(config)]
+
+
 def test_the_next_epoch_is_built_ahead_for_a_reader_started_from_anywhere(mixture, tmp_path):
     """As train/main.py runs: in another folder, the repository on the process's own path alone (not PYTHONPATH).
     Here the process imports from the repository's folder, then moves to another before it reads."""
