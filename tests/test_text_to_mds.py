@@ -83,6 +83,23 @@ def test_parts_then_merge_equal_one_pass_byte_for_byte(tmp_path):
     assert len(files) == 12
 
 
+def test_a_merge_removes_only_the_parts_it_merged(tmp_path):
+    """Another --num-parts run's parts in the same OUT.parts folder are not this merge's: they stay, byte for byte."""
+    corpus_files(tmp_path)
+    others = tmp_path / "multi.parts" / "part-00000-of-00003"
+    others.mkdir(parents=True)
+    (others / "part.json").write_text('{"empty": 0}')
+    for part in (0, 1):
+        done = run_script("convert/text_to_mds.py", tmp_path / "corpus", "--out", tmp_path / "multi", *ARGS,
+                          "--num-parts", "2", "--part", str(part))
+        assert done.returncode == 0, done.stderr
+    merged = run_script("convert/text_to_mds.py", tmp_path / "corpus", "--out", tmp_path / "multi", *ARGS,
+                        "--num-parts", "2", "--merge")
+    assert merged.returncode == 0, merged.stderr
+    assert [p.name for p in (tmp_path / "multi.parts").iterdir()] == ["part-00000-of-00003"]
+    assert (others / "part.json").read_text() == '{"empty": 0}'
+
+
 def test_merge_refuses_until_every_part_is_done(tmp_path):
     corpus_files(tmp_path)
     run_script("convert/text_to_mds.py", tmp_path / "corpus", "--out", tmp_path / "multi", *ARGS,
