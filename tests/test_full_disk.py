@@ -172,6 +172,7 @@ def small_shards(tmp_path_factory) -> Path:
     return plays(tmp_path_factory.mktemp("small-shards"), "16kb")
 
 
+@pytest.mark.long
 @SMALL_DISK
 def test_a_full_data_cache_ends_every_rank_in_one_line_and_the_cache_limit_it_suggests_trains_exactly(
         small_shards, tmp_path):
@@ -242,6 +243,7 @@ def test_a_cache_limit_larger_than_the_disk_is_capped_by_the_disk(small_shards, 
     gc.collect()  # the loader's dataset and its shared memory go now, not at another test's collection
 
 
+@pytest.mark.long
 @SMALL_DISK
 def test_checkpoints_on_a_full_disk_fail_in_one_line_and_the_one_kept_resumes_exactly(reference, dataset, tmp_path):
     """run_dir on a disk with room for one checkpoint (40 MB) and not two: the periodic save at step 8
