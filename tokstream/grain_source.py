@@ -20,8 +20,8 @@ import numpy as np
 from tokstream.errors import UserError
 from tokstream.format import (decompress_shard, index_shards, parse_column_encoding, read_metadata, shard_samples,
                               stored_file)
-from tokstream.split_check import (check_split, damaged_shard, dataset_identity, largest_token, sample_count_problem,
-                                   vocabulary_problem)
+from tokstream.split_check import (check_split, damaged_shard, former_dataset_identity, largest_token,
+                                   sample_count_problem, vocabulary_problem)
 
 
 class TokenSampleSource:
@@ -47,7 +47,9 @@ class TokenSampleSource:
         shards = index_shards(Path(root, split))
         self.root, self.split = root, split
         self.vocab_size = metadata.vocab_size
-        self.identity = dataset_identity(Path(root), split)
+        # The former identity (metadata.json whole): Grain compares reprs, so the digest that DataLoader checkpoints
+        # made before 2026-11-28 hold stays the one here (a split added to the dataset changes it).
+        self.identity = former_dataset_identity(Path(root), split)
         try:
             self.dtype, self.sample_length = parse_column_encoding(shards[0]["column_encodings"][0])
             self._files = [stored_file(shard)["basename"] for shard in shards]
