@@ -363,6 +363,9 @@ MUTATIONS = [
     Mutation("dashboards: TensorBoard's last step not kept", "a relaunch's dashboards show each step once",
              "tokstream/train/dashboards.py", "            self.state.tensorboard_step = record[\"step\"]\n", "",
              ("tests/test_dashboards.py",)),
+    Mutation("converters: a dead tokenizer process waited on", "a killed tokenizer process ends the conversion in "
+             "one line, resumable", "tokstream/convert/tokenize_docs.py", "return future.result(timeout=1.0)",
+             "return future.result()", ("tests/test_owt_to_mds.py", "-k", "killed_while_sending", "--timeout", "60")),
     Mutation("rewind: a notice cuts its moves", "a preemption notice during a rewind lets the rewind finish whole",
              "tokstream/train/preemption.py", "if self.starting and self._holding:", "if False:",
              ("tests/test_spike_advice.py", "-k", "notice_during_a_rewind")),

@@ -346,3 +346,28 @@ def test_a_datasets_stream_in_parts_merges_to_the_one_pass_bytes(tmp_path):
     assert tree_bytes(tmp_path / "parts") == tree_bytes(tmp_path / "one")
     with pytest.raises(UserError, match="--num-parts 6 exceeds the dataset's 5 data files"):
         convert_stream(tmp_path / "six", pattern, num_parts=6)
+
+
+def _dies_mid_message():
+    """A tokenizer process killed while it sends its batch: half a message in the results' pipe, then the kill."""
+    import struct
+
+    result_queue = sys._getframe(1).f_locals["result_queue"]  # concurrent.futures.process._process_worker's
+    result_queue._writer._send(struct.pack("!i", 1 << 20) + b"half of it")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_tokenizer_process_killed_while_sending_its_batch_ends_the_conversion_in_one_line():
+    """The executor's own thread would wait on the half message for ever (the conversion hung, found under load):
+    the converter finds the dead process, says so in its one line, and the executor shuts down."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from tokstream.convert.tokenize_docs import _result
+    from tokstream.errors import WorkLost
+
+    executor = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("forkserver"))
+    future = executor.submit(_dies_mid_message)
+    with pytest.raises(WorkLost, match="a tokenizer process died"):
+        _result(future, executor)
+    executor.shutdown(wait=True, cancel_futures=True)  # returns: its thread is not left reading

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
@@ -152,19 +153,35 @@ def tokenize_chunks(chunks: Iterable[tuple[Chunk, bool]], tokenizer: Tokenizer, 
         for chunk, tokenize in chunks:
             in_flight.append(executor.submit(_tokenize_chunk, chunk, tokenize))
             if len(in_flight) >= 2 * num_workers:
-                yield _result(in_flight.popleft())
+                yield _result(in_flight.popleft(), executor)
         while in_flight:
-            yield _result(in_flight.popleft())
+            yield _result(in_flight.popleft(), executor)
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
 
 
-def _result(future: Future) -> TokenizedBatch:
-    try:
-        return future.result()
-    except BrokenProcessPool:
-        raise WorkLost("a tokenizer process died (killed, or out of memory?): the work so far is kept; rerun "
-                       "the same command to resume (with fewer --num-workers if memory ran out)") from None
+WORKER_LOST = ("a tokenizer process died (killed, or out of memory?): the work so far is kept; rerun the same command "
+               "to resume (with fewer --num-workers if memory ran out)")
+
+
+def _result(future: Future, executor: ProcessPoolExecutor) -> TokenizedBatch:
+    """The batch, or WorkLost where a tokenizer process died. A process killed while it was sending a batch leaves
+    half a message in the results' pipe, which the executor's own thread then waits on for ever (CPython 3.11, 3.12):
+    so the wait is in slices, and a dead process found meanwhile ends the others and closes this process's end of
+    that pipe, which ends the thread's read (the executor's private parts, used here alone)."""
+    while True:
+        try:
+            return future.result(timeout=1.0)
+        except BrokenProcessPool:
+            raise WorkLost(WORKER_LOST) from None
+        except FutureTimeout:
+            processes = list(executor._processes.values())
+            if all(process.exitcode is None for process in processes):
+                continue
+            for process in processes:
+                process.kill()
+            executor._result_queue._writer.close()
+            raise WorkLost(WORKER_LOST) from None
 
 
 @dataclass
