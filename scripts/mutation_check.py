@@ -351,7 +351,7 @@ MUTATIONS = [
     Mutation("slurm: the job's task count taken for the step's", "srun -n 1 in a bigger job trains alone",
              "tokstream/slurm.py", 'int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1")))',
              'int(environ.get("SLURM_NTASKS", environ.get("SLURM_STEP_NUM_TASKS", "1")))',
-             ("tests/test_slurm.py", "-k", "srun_tasks_get")),
+             ("tests/test_slurm.py", "-k", "srun_tasks_get or smaller_than_their_job")),
     Mutation("order files: the digest leaves out the streams' counts", "mixtures at other weights sharing an "
              "order_dir each read their own order", "tokstream/reader/order/order_files.py",
              '("shards_per_stream", "chooses", "sampling_method",', '("shards_per_stream", "sampling_method",',

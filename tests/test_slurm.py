@@ -5,6 +5,7 @@ submitted again; preemptible training requeued by Slurm, and killed hard then re
 same bytes or the same steps as without Slurm.
 """
 
+import json
 import os
 import re
 import sys
@@ -110,6 +111,23 @@ def test_srun_tasks_get_torchruns_variables_and_a_batch_script_does_not():
     assert ranks_from_srun({**task, **allocation}) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
                                                        "LOCAL_WORLD_SIZE": "2"}
     assert tasks_per_node("8(x3),4") == [8, 8, 8, 4]
+
+
+def test_srun_steps_smaller_than_their_job_get_their_own_world_through_the_real_slurm(slurm, tmp_path):
+    """In a job of 4 tasks, `srun -n 1` is one process (no group of 4 to wait for) and `srun -n 2` a world of 2:
+    what the real Slurm's variables give ranks_from_srun."""
+    script = tmp_path / "steps.sh"
+    probe = ("import json; from tokstream.slurm import ranks_from_srun; "
+             "print(json.dumps(ranks_from_srun(), sort_keys=True))")
+    script.write_text(f"#!/bin/bash\nexport MASTER_ADDR=127.0.0.1 MASTER_PORT={free_port()}\n"
+                      f"srun -n 1 python -c '{probe}'\nsrun -n 2 python -c '{probe}'\n")
+    log = tmp_path / "steps.out"
+    job = slurm.sbatch("--ntasks=4", "--cpus-per-task=1", f"--output={log}", str(script), cwd=ROOT, env=job_env())
+    assert slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120)["JobState"] == "COMPLETED", \
+        log.read_text()
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    assert lines[0] == {} and sorted(line["RANK"] for line in lines[1:]) == ["0", "1"], lines
+    assert all(line["WORLD_SIZE"] == "2" and line["LOCAL_WORLD_SIZE"] == "2" for line in lines[1:]), lines
 
 
 def test_a_process_alone_in_a_job_of_several_tasks_says_so_and_an_srun_task_does_not():
