@@ -279,8 +279,8 @@ MUTATIONS = [
              "tokstream/train/spike_guard.py", "limit = min((pair[0] for pair in changed), default=spike) - 1",
              "limit = spike - 1", ("tests/test_spike_advice.py", "-k", "pasted")),
     Mutation("rewind: nothing kept when no checkpoint moves", "a rewind deletes nothing, metrics lines included",
-             "tokstream/train/rewind.py", "if not later and (not _lines_of_another_branch(store, step, skips) or _already",
-             "if not later and (True or _already", ("tests/test_spike_advice.py", "-k", "newest")),
+             "tokstream/train/rewind.py", "if not _lines_of_another_branch(lines, step, skips) or _already_set_aside(",
+             "if True or _already_set_aside(", ("tests/test_spike_advice.py", "-k", "newest")),
     Mutation("guard: a window that never judges", "no setting silently does nothing",
              "tokstream/train/config.py", '"guard.window": (16, True,', '"guard.window": (1, True,',
              ("tests/test_spike_advice.py", "-k", "silently")),
@@ -370,7 +370,7 @@ MUTATIONS = [
              "tokstream/train/preemption.py", "if self.starting and self._holding:", "if False:",
              ("tests/test_spike_advice.py", "-k", "notice_during_a_rewind")),
     Mutation("rewind: lines set aside already are copied again", "a launch stopped after its rewind does not rewind "
-             "again", "tokstream/train/rewind.py", "    return store.read_bytes(relative) == store.read_bytes(METRICS_FILE)",
+             "again", "tokstream/train/rewind.py", "    return store.read_bytes(relative) == lines",
              "    return False", ("tests/test_spike_advice.py", "-k", "rewind_to_the_newest")),
 ]
 

@@ -35,8 +35,10 @@ def rewind(store: RunStore, step: int, skips: list | None = None) -> str | None:
         raise UserError(f"resume_from={step}: the run has no complete checkpoint at step {step} (it has {have}); "
                         "give one of those steps (keep_checkpoints=0, or keep_every, keeps older ones)")
     later = sorted({s for s in survey.complete + survey.without_manifest + survey.stray_manifests if s > step})
-    if not later and (not _lines_of_another_branch(store, step, skips) or _already_set_aside(store, step)):
-        return None
+    if not later:
+        lines = store.read_bytes(METRICS_FILE) or b""  # read once, for both checks
+        if not _lines_of_another_branch(lines, step, skips) or _already_set_aside(store, step, lines):
+            return None
     problem = _target_problem(store, step)
     if problem is not None:
         raise UserError(f"resume_from={step}: the checkpoint at step {step} is damaged ({problem}); nothing was moved: "
@@ -58,25 +60,24 @@ def rewind(store: RunStore, step: int, skips: list | None = None) -> str | None:
     return f"resume_from={step}: rewound; {what} to {where}"
 
 
-def _lines_of_another_branch(store: RunStore, step: int, skips: list | None) -> bool:
+def _lines_of_another_branch(lines: bytes, step: int, skips: list | None) -> bool:
     """Whether metrics.jsonl holds steps after `step` that another branch trained (a rewind to the newest checkpoint
     moves no checkpoint, but the relaunch cuts those lines): not when they begin with this branch's own relaunch."""
-    records = [record for record in parse_records(store.read_bytes(METRICS_FILE) or b"", METRICS_FILE)
-               if record["step"] > step]
+    records = [record for record in parse_records(lines, METRICS_FILE) if record["step"] > step]
     if not records:
         return False
     began = records[0].get("relaunch") or {}
     return began != {"from_step": step, "after": "rewind", "skip_steps": [list(pair) for pair in skips or []]}
 
 
-def _already_set_aside(store: RunStore, step: int) -> bool:
+def _already_set_aside(store: RunStore, step: int, lines: bytes) -> bool:
     """Whether metrics.jsonl, as it is now, is byte for byte the copy the newest rewind to `step` set aside: that
     rewind moved everything and was stopped before the relaunch trimmed the lines; nothing is left to keep."""
     folders = _abandoned_folders(store.url, step)
     if not folders:
         return False
     relative = f"{ABANDONED}/{folders[-1].rstrip('/').rsplit('/', 1)[-1]}/{METRICS_FILE}"
-    return store.read_bytes(relative) == store.read_bytes(METRICS_FILE)
+    return store.read_bytes(relative) == lines
 
 
 def _target_problem(store: RunStore, step: int) -> str | None:
