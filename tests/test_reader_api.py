@@ -234,6 +234,7 @@ def test_a_closed_reader_gives_back_its_shared_memory_and_its_s3_data_opens_agai
     from conftest import BUCKET
     from test_interruptions import upload
 
+    from tokstream.reader.streaming_door import streaming_internals as internals
     from tokstream.reader.stale_shm import SHM_DIR
 
     root = tiny_splits(tmp_path, 40, 8)
@@ -251,17 +252,15 @@ def test_a_closed_reader_gives_back_its_shared_memory_and_its_s3_data_opens_agai
         first = next(batches)["ids"].tolist()
         assert seen is None or first == seen  # the same order each time: the same data, opened again
         seen = first
-        mine = blocks() - before if round_ else set()
+        prefix = f"{internals.shm_prefix(batches.loader.dataset):06}_"  # this reader's, not a neighbour worker's
+        mine = {name for name in blocks() if name.startswith(prefix)}
         if round_ == 3:
             del batches  # dropped, not closed
             gc.collect()
         else:
             batches.close()
         counts.append(open_files())
-        if round_ == 0:
-            before = blocks()
-        else:
-            assert mine and not mine & blocks(), mine & blocks()  # this reader's blocks are gone from /dev/shm
+        assert mine and not mine & blocks(), mine & blocks()  # this reader's blocks are gone from /dev/shm
     assert max(counts[1:]) <= counts[0]  # no descriptor kept per reader (stock kept 12 each)
 
 
