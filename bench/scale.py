@@ -153,7 +153,7 @@ def start_name(position: float) -> str:
 
 def sampling_times(root: Path, epoch: int) -> str:
     """streaming's get_sampling against the fence's, on this dataset's shard sizes, for the cut epoch."""
-    from tokstream.reader.streaming_door.epoch_order import get_sampling_vectorized
+    from tokstream.reader.order.sampling import get_sampling_vectorized
     from tokstream.reader.streaming_door.streaming_internals import stock_get_sampling
 
     index = json.loads((root / "train" / "index.json").read_text())

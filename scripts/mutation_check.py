@@ -372,6 +372,16 @@ MUTATIONS = [
     Mutation("rewind: lines set aside already are copied again", "a launch stopped after its rewind does not rewind "
              "again", "tokstream/train/rewind.py", "    return store.read_bytes(relative) == lines",
              "    return False", ("tests/test_spike_advice.py", "-k", "rewind_to_the_newest")),
+    Mutation("order: the door imported back from the order", "the order is one component, the door adapts "
+             "streaming to it", "tokstream/reader/order/sampling.py", "import numpy as np\n",
+             "import numpy as np\n\n\ndef _installed():\n    from tokstream.reader import streaming_door\n",
+             ("tests/test_layout.py", "-k", "imports_it_back")),
+    Mutation("order: py1e's spans cut a sample late", "the py1e order files and replacements give stock's order",
+             "tokstream/reader/order/py1e.py", "            if at < end:  # the span crosses",
+             "            if at < end - 1:  # the span crosses", ("tests/test_lazy_shuffle.py", "-k", "cut_at_canonical")),
+    Mutation("order: granules' last pick not cut", "an epoch drawing a fraction of a stream draws stock's counts",
+             "tokstream/reader/order/sampling.py", "    sizes[last] -= int(taken[last]) - remainder\n", "\n",
+             ("tests/test_epoch_order.py", "-k", "vectorized_sampling")),
 ]
 
 

@@ -1,4 +1,5 @@
-"""tokstream/reader/streaming_door/epoch_order.py against the streaming and numpy functions it stands in for: equal results.
+"""The order's replacements of streaming's (tokstream/reader/order/py1e.py, sampling.py) and the door's epoch_order.py
+against the streaming and numpy functions it stands in for: equal results.
 
 These replacements decide which samples an epoch holds and in which order, so "equal" is exact
 equality on random inputs, covering each path they take. Single functions are compared with
@@ -13,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokstream.reader.streaming_door import epoch_order
-from tokstream.reader.streaming_door.epoch_order import generate_work_random, get_sampling_vectorized, get_shuffle_py1e_fast
-from tokstream.reader.streaming_door.epoch_order import permutation_tail
+from tokstream.reader.order import py1e, sampling
+from tokstream.reader.order.py1e import get_shuffle_py1e_fast
+from tokstream.reader.order.sampling import get_sampling_vectorized, permutation_tail
+from tokstream.reader.streaming_door.epoch_order import generate_work_random
 from tokstream.reader.streaming_door.streaming_internals import epoch_order_in_force, generate_work, worker_ids
 from tokstream.reader.streaming_door.streaming_internals import World, get_shuffle, stock_get_sampling
 from tokstream.reader.streaming_door.streaming_internals import stock_get_shuffle_py1e as get_shuffle_py1e
@@ -39,12 +41,12 @@ def test_the_tail_of_numpys_permutation_drawn_alone_is_numpys():
                                       np.random.default_rng(seed).permutation(n)[n - count:], err_msg=str((n, count, seed)))
 
 
-@pytest.mark.parametrize("max_tail", [epoch_order.MAX_TAIL, 0])  # 0: the whole-permutation path
+@pytest.mark.parametrize("max_tail", [sampling.MAX_TAIL, 0])  # 0: the whole-permutation path
 def test_the_vectorized_sampling_draws_what_streamings_loop_draws(monkeypatch, max_tail):
     """How many samples an epoch draws from each shard when it takes a fraction of a stream (every epoch cut
     to whole steps does), in force in every dataset (streaming_internals.py), against streaming's own."""
     assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_fast, generate_work_random)
-    monkeypatch.setattr(epoch_order, "MAX_TAIL", max_tail)
+    monkeypatch.setattr(sampling, "MAX_TAIL", max_tail)
     rng = np.random.default_rng(max_tail)
     for _ in range(400):
         shards = rng.integers(1, 60, rng.integers(1, 12)).astype(np.int64)
@@ -68,17 +70,17 @@ def shuffled_with_warnings(shuffle, args) -> tuple[np.ndarray, int]:
 
 
 @pytest.mark.parametrize("fraction_bits, min_fraction_bits, sort_run, chunk", [
-    (epoch_order.MAX_FRACTION_BITS, epoch_order.MIN_FRACTION_BITS, epoch_order.SORT_RUN, epoch_order.CHUNK),
-    (epoch_order.MAX_FRACTION_BITS, epoch_order.MIN_FRACTION_BITS, 1, epoch_order.CHUNK),  # a run a span, merged
+    (py1e.MAX_FRACTION_BITS, py1e.MIN_FRACTION_BITS, py1e.SORT_RUN, py1e.CHUNK),
+    (py1e.MAX_FRACTION_BITS, py1e.MIN_FRACTION_BITS, 1, py1e.CHUNK),  # a run a span, merged
     (2, 0, 5000, 7), (0, 0, 1, 3),  # equal keys in most runs, across runs and across chunks of the equal-keys pass
-    (3, 4, 1, epoch_order.CHUNK)])  # too few bits: the argsort
+    (3, 4, 1, py1e.CHUNK)])  # too few bits: the argsort
 def test_the_fast_py1e_shuffle_is_streamings_and_is_the_one_in_force(monkeypatch, fraction_bits, min_fraction_bits,
                                                                      sort_run, chunk):
     assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_fast, generate_work_random)
-    monkeypatch.setattr(epoch_order, "MAX_FRACTION_BITS", fraction_bits)
-    monkeypatch.setattr(epoch_order, "MIN_FRACTION_BITS", min_fraction_bits)
-    monkeypatch.setattr(epoch_order, "SORT_RUN", sort_run)
-    monkeypatch.setattr(epoch_order, "CHUNK", chunk)
+    monkeypatch.setattr(py1e, "MAX_FRACTION_BITS", fraction_bits)
+    monkeypatch.setattr(py1e, "MIN_FRACTION_BITS", min_fraction_bits)
+    monkeypatch.setattr(py1e, "SORT_RUN", sort_run)
+    monkeypatch.setattr(py1e, "CHUNK", chunk)
     rng = np.random.default_rng(fraction_bits)
     for _ in range(60 if min_fraction_bits <= fraction_bits else 10):
         args = random_shuffle_args(rng)
@@ -90,19 +92,19 @@ def test_the_fast_py1e_shuffle_is_streamings_and_is_the_one_in_force(monkeypatch
         get_shuffle_py1e_fast(np.array([1], dtype=np.int64), 2, 0, 0)
 
 
-@pytest.mark.parametrize("chunk", [epoch_order.CHUNK, 1, 2, 3])
+@pytest.mark.parametrize("chunk", [py1e.CHUNK, 1, 2, 3])
 def test_samples_at_exactly_equal_positions_take_the_order_of_stocks_own_argsort(monkeypatch, chunk):
     """Two equal float positions: stock's unstable argsort decides their order, so the fast shuffle
     recognises them and hands the epoch to that argsort; unequal ones in a run of equal keys it orders."""
-    monkeypatch.setattr(epoch_order, "CHUNK", chunk)
+    monkeypatch.setattr(py1e, "CHUNK", chunk)
     id_bits, positions = 3, np.array([0.5, 2.25, 2.0, 2.75, 7.0, 2.25])  # by sample id
     keys = np.sort([(int(p) << id_bits) | i for i, p in enumerate(positions)])  # whole positions only
-    assert not epoch_order.order_equal_keys(keys.copy(), positions, id_bits)  # ids 1 and 5 are at 2.25
+    assert not py1e.order_equal_keys(keys.copy(), positions, id_bits)  # ids 1 and 5 are at 2.25
     positions[5] = 2.5
-    assert epoch_order.order_equal_keys(keys, positions, id_bits)
+    assert py1e.order_equal_keys(keys, positions, id_bits)
     assert (keys & 7).tolist() == [0, 2, 1, 5, 3, 4]
 
-    monkeypatch.setattr(epoch_order, "order_equal_keys", lambda *_: False)  # as if every epoch had such a pair
+    monkeypatch.setattr(py1e, "order_equal_keys", lambda *_: False)  # as if every epoch had such a pair
     rng = np.random.default_rng(7)
     for _ in range(20):
         args = random_shuffle_args(rng)
@@ -127,14 +129,14 @@ def mds_streams(tmp_path_factory) -> list[str]:
     return roots
 
 
-@pytest.mark.parametrize("chunk", [epoch_order.CHUNK, 97])  # 97: the lookups in many chunks, on threads
+@pytest.mark.parametrize("chunk", [py1e.CHUNK, 97])  # 97: the lookups in many chunks, on threads
 def test_the_lean_random_batching_is_streamings_and_is_the_one_in_force(mds_streams, stock, monkeypatch, chunk,
                                                                       tmp_path):
     """The whole epoch's order as the local leader computes it (nodes, ranks, workers, batches), for mixtures
     weighted each way, every shuffle algorithm and none, resumed anywhere, on several nodes; and each worker's part
     of it read from the epoch's order file (order_files.py), built once per epoch and settings and mapped."""
     assert epoch_order_in_force(get_sampling_vectorized, get_shuffle_py1e_fast, generate_work_random)
-    monkeypatch.setattr(epoch_order, "CHUNK", chunk)
+    monkeypatch.setattr(py1e, "CHUNK", chunk)
     mixtures = [dict(local=mds_streams[2]),
                 dict(streams=[dict(local=root, proportion=p) for root, p in zip(mds_streams, (0.5, 0.2, 0.3))],
                      epoch_size=901),
@@ -181,9 +183,9 @@ def test_the_lean_random_batching_is_streamings_and_is_the_one_in_force(mds_stre
         assert refused < len(cases) // 2  # most cases are orders, compared
         for index, resample in enumerate(resamples):
             configure(dataset, resample["settings"])
-            units, shards = epoch_order.resampled_shards(dataset, resample["epoch"])
+            units, shards = sampling.resampled_shards(dataset, resample["epoch"])
             np.testing.assert_array_equal(units, expected[f"units{index}"])
-            np.testing.assert_array_equal(epoch_order.resampled_sample_ids(dataset, resample["epoch"], shards),
+            np.testing.assert_array_equal(sampling.resampled_sample_ids(dataset, resample["epoch"], shards),
                                           expected[f"ids{index}"])
         del dataset
 

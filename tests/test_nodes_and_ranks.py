@@ -38,6 +38,7 @@ import gc, json, os, sys
 import torch.distributed as dist
 from tokstream.reader import streaming_door
 from tokstream.reader.streaming_door import epoch_order, streaming_internals as internals
+from tokstream.reader.order import py1e, sampling
 from tokstream.reader.config import DataConfig
 from tokstream.reader.batches import make_loader
 
@@ -52,7 +53,7 @@ def counted(dataset, world, epoch, sample_in_epoch):
 
 
 streaming_door.install()  # as every reader does, and then the counted batching over it
-internals.install_epoch_order(epoch_order.get_sampling_vectorized, epoch_order.get_shuffle_py1e_fast, counted)
+internals.install_epoch_order(sampling.get_sampling_vectorized, py1e.get_shuffle_py1e_fast, counted)
 dist.init_process_group("gloo")
 
 

@@ -5,6 +5,8 @@
 - feistel_window.py: the first lazy order, kept for the runs read in it;
 - partition.py: streaming's partition over nodes, ranks and workers, in closed form;
 - read_check.py: a step's samples as two sums, recorded by the run and checked by the ledger;
+- sampling.py, py1e.py: streaming's resampling and py1e shuffle, the same numbers, vectorized (the door puts them
+  where streaming calls its own, and composes them with streaming's partition: streaming_door/epoch_order.py);
 - order_files.py: streaming's own orders (py1e) kept as checksummed files, built once per epoch and mapped by every
   rank; the door hands it how to compute them (its OrderInputs.compute: the door's epoch_order, stock's numbers).
 

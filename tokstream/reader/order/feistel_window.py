@@ -17,33 +17,10 @@ import numpy as np
 from tokstream.reader.order.keyed import key as _key
 from tokstream.reader.order.keyed import mix as _mix
 from tokstream.reader.order.lazy import windows
+from tokstream.reader.order.py1e import divide_spans
 
 NAME = "feistel_window"
 ROUNDS = 4
-
-
-def divide_spans(spans: list[tuple[int, int]], num_samples: int,
-                 num_parts: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Streaming's cut of shard spans at the parts' bounds (part p ends at num_samples * (p + 1) // num_parts): a span
-    across a bound is split there; an empty span goes to the first part whose end it does not pass. The pieces, and
-    each part's range of them (tests/test_order_package.py checks it against stock's on random layouts)."""
-    pieces, parts, at, index = [], [], 0, 0
-    for part in range(num_parts):
-        end, first = num_samples * (part + 1) // num_parts, len(pieces)
-        while index < len(spans):
-            begin, stop = spans[index]
-            if at + stop - begin <= end:
-                pieces.append((begin, stop))
-                at += stop - begin
-                index += 1
-                continue
-            if at < end:  # the span crosses the bound: its head here, its tail starts the next part
-                pieces.append((begin, begin + end - at))
-                spans[index] = (begin + end - at, stop)
-                at = end
-            break
-        parts.append((first, len(pieces)))
-    return pieces, parts
 
 
 def window_permutation(offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray) -> np.ndarray:

@@ -5,8 +5,9 @@ or replaces its module attributes, lives in this package and nowhere else (tests
 - streaming_internals.py: the private names relied on, checked against the streaming versions it
   names (CHECKED_VERSIONS); WindowedDownloadAhead, the StreamingDataset the reader's dataset extends.
 - epoch_order.py, lean_spanner.py, lean_readers.py, prefix_registration.py: equal, faster replacements for
-  streaming's epoch order, sample-to-shard lookup, per-shard readers and shared-memory numbering; install() also registers the project's
-  own lazy orders (tokstream/reader/order/) under their names, beside stock's shuffles.
+  streaming's epoch order (its parts computed in tokstream/reader/order/), sample-to-shard lookup, per-shard readers
+  and shared-memory numbering; install() also registers the project's own lazy orders (tokstream/reader/order/)
+  under their names, beside stock's shuffles.
 
 Importing any of it changes nothing in streaming. `install()` puts the replacements in place, for
 every StreamingDataset built after it in this process; the reader's TokenDataset calls it. A process
@@ -27,9 +28,11 @@ def install() -> None:
     from tokstream.reader.streaming_door import epoch_order, lean_readers, lean_spanner, prefix_registration
     from tokstream.reader.streaming_door import streaming_internals as internals
 
-    internals.install_epoch_order(epoch_order.get_sampling_vectorized, epoch_order.get_shuffle_py1e_fast,
+    from tokstream.reader.order import py1e, sampling
+
+    internals.install_epoch_order(sampling.get_sampling_vectorized, py1e.get_shuffle_py1e_fast,
                                   epoch_order.generate_work_random)
-    internals.install_order_file_sequence(epoch_order.order_file_sequence)
+    internals.install_order_file_sequence(order_file_sequence)
     internals.install_spanner(lean_spanner.LeanSpanner)
     internals.install_reader_from_json(lean_readers.reader_from_json)
     from tokstream.reader.order import LAZY_ORDERS, whole_epoch
@@ -39,3 +42,12 @@ def install() -> None:
     internals.install_prefix_registration(prefix_registration.get_shm_prefix_claimed)
     internals.install_file_lock()
     internals.install_sized_attach()
+
+
+def order_file_sequence(inputs, epoch: int):
+    """An epoch's order for order/order_files.py (OrderInputs.compute): streaming's, as the readers compute it with the
+    door installed (the same numbers as stock, faster), in whatever process builds the file."""
+    from tokstream.reader.streaming_door import epoch_order
+
+    install()
+    return epoch_order.epoch_sequence(inputs, epoch)

@@ -77,13 +77,13 @@ from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, EPOCH_DATA
 from streaming.base.batching.random import generate_work_random_batching  # noqa: F401  (tests)
 from streaming.base.dataset import _ShardState
 from streaming.base.partition import get_partitions  # noqa: F401  (epoch_order.py)
-from streaming.base.sampling import get_sampling as stock_get_sampling  # noqa: F401  (epoch_order.py)
+from streaming.base.sampling import get_sampling as stock_get_sampling  # noqa: F401  (tests, bench)
 from streaming.base.shared import SharedMemory
 from streaming.base.shared.prefix import _check_self, _get_path, _pack_locals, _unpack_locals
 from streaming.base.shared.prefix import get_shm_prefix as stock_get_shm_prefix  # noqa: F401  (prefix_registration.py)
 from streaming.base.shuffle import get_shuffle  # noqa: F401  (epoch_order.py, tests)
 from streaming.base.shuffle.py1e import get_shuffle_py1e as stock_get_shuffle_py1e  # noqa: F401  (tests)
-from streaming.base.shuffle.py1s import divide_spans  # noqa: F401  (epoch_order.py)
+from streaming.base.shuffle.py1s import divide_spans  # noqa: F401  (tests)
 from streaming.base.spanner import Spanner  # noqa: F401  (lean_spanner.py)
 from streaming.base.format import FileInfo  # noqa: F401  (lean_readers.py)
 from streaming.base.format import reader_from_json as stock_reader_from_json  # noqa: F401  (lean_readers.py)
@@ -135,7 +135,7 @@ def install_epoch_order(get_sampling, get_shuffle_py1e, generate_work_random) ->
     streaming_batching_module.batching_methods["random"] = generate_work_random  # and of batching methods
 
 
-# How an order file's epoch is computed (epoch_order.order_file_sequence), set by install().
+# How an order file's epoch is computed (streaming_door.order_file_sequence), set by install().
 _order_file_sequence = None
 
 
