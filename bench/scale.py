@@ -16,7 +16,7 @@ nothing of the project, fresh and at 50%, once each (--no-stock skips it).
 
 Cutting the epoch makes streaming draw a fraction of the stream, which its `get_sampling` adds up
 in a Python loop per sample; the fence replaces it with an equal vectorized one
-(tokstream/reader/streaming_door/epoch_order.py). Both are timed here on this dataset's shards, same run.
+(tokstream/reader/order/sampling.py). Both are timed here on this dataset's shards, same run.
 
 Each rank reports: seconds from its start to the end of its imports; seconds from the moment every
 rank has imported (the parent then tells them all to go: on 2 cores, 8 ranks' imports end seconds

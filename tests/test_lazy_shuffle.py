@@ -5,7 +5,8 @@ assignment of shards to canonical nodes."""
 import numpy as np
 import pytest
 
-from tokstream.reader.order.feistel_window import NAME, WindowShuffle, divide_spans, get_shuffle_feistel_window
+from tokstream.reader.order.feistel_window import NAME, WindowShuffle, get_shuffle_feistel_window
+from tokstream.reader.order.py1e import divide_spans
 from tokstream.reader.streaming_door.streaming_internals import get_shuffle  # stock streaming's own
 
 

@@ -5,7 +5,7 @@ numpy sorts 32- and 64-bit numbers with x86-simd-sort, whose AVX-512 kernel it p
 CPU has AVX-512. Zen 4 (AMD family 0x19 with AVX-512) runs that kernel's compress-stores to memory
 in microcode: 8.8 M int64 took 0.57 s to sort on this project's Zen 4 machine, 0.11 s with the AVX2
 kernel. That sort is most of what every rank waits for before its first batch, at each start and
-each epoch (the epoch order, tokstream/reader/streaming_door/epoch_order.py; bench/scale.py).
+each epoch (the epoch order's py1e shuffle, tokstream/reader/order/py1e.py; bench/scale.py).
 
 numpy chooses its kernels once, when it is imported, from NPY_DISABLE_CPU_FEATURES. So training's
 entry point calls `prefer_avx2_sort()` before anything imports numpy, which sets the variable to

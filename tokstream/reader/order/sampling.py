@@ -27,12 +27,20 @@ def get_sampling_vectorized(samples_per_shard: np.ndarray, choose: int, granular
     if epoch < 0:
         raise ValueError("`epoch` must be a non-negative integer, but got: {epoch}.")  # stock's words, unformatted
     num_samples = int(np.sum(samples_per_shard))
+    if not num_samples:  # a stream of empty shards: none drawn (stock's division by zero gives the same)
+        return np.zeros_like(samples_per_shard)
+    if not choose % num_samples:
+        return samples_per_shard * choose // num_samples  # whole repeats, as stock computes them (its overflow)
     whole = samples_per_shard * (choose // num_samples)
     remainder, epoch_seed = choose % num_samples, seed + epoch if use_epoch else seed
-    if not remainder:
-        return whole
+    return (whole + _picked(samples_per_shard, remainder, granularity, epoch_seed)).astype(whole.dtype, copy=False)
+
+
+def _picked(samples_per_shard: np.ndarray, remainder: int, granularity: int, epoch_seed: int) -> np.ndarray:
+    """Per shard, the samples of the `remainder` the shuffled picks fill (beyond the epoch's whole repeats)."""
     if granularity != 1:
-        return whole + _picked_in_granules(samples_per_shard, remainder, granularity, epoch_seed)
+        return _picked_in_granules(samples_per_shard, remainder, granularity, epoch_seed)
+    num_samples = int(np.sum(samples_per_shard))
     ends = np.cumsum(samples_per_shard)
 
     def per_shard(picks: np.ndarray) -> np.ndarray:
@@ -40,11 +48,11 @@ def get_sampling_vectorized(samples_per_shard: np.ndarray, choose: int, granular
 
     if num_samples - remainder <= MAX_TAIL:
         # An epoch cut to whole steps leaves out fewer picks than a step: count those, drawn alone.
-        return whole + samples_per_shard - per_shard(permutation_tail(epoch_seed, num_samples, num_samples - remainder))
+        return samples_per_shard - per_shard(permutation_tail(epoch_seed, num_samples, num_samples - remainder))
     ordering = np.random.default_rng(epoch_seed).permutation(num_samples)
     if remainder <= num_samples // 2:
-        return whole + per_shard(ordering[:remainder])
-    return whole + samples_per_shard - per_shard(ordering[remainder:])
+        return per_shard(ordering[:remainder])
+    return samples_per_shard - per_shard(ordering[remainder:])
 
 
 def _picked_in_granules(samples_per_shard: np.ndarray, remainder: int, granularity: int, epoch_seed: int) -> np.ndarray:

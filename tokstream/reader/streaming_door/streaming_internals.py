@@ -18,8 +18,9 @@ streaming does not promise to keep:
   cache directories a shared-memory prefix belongs to;
 - `streaming.base.dataset.get_sampling`, the name `resample_streams` calls,
   `streaming.base.shuffle.algos["py1e"]` and `streaming.base.batching.batching_methods["random"]`:
-  replaced (`install_epoch_order`) by epoch_order.py's equal versions, which build on streaming's
-  own `get_sampling`, `divide_spans`, `get_shuffle` and `get_partitions`;
+  replaced (`install_epoch_order`) by equal versions: the order's `sampling.get_sampling_vectorized` and
+  `py1e.get_shuffle_py1e_fast` (tokstream/reader/order/), and epoch_order.py's batching, which composes them
+  with streaming's own `get_shuffle` and `get_partitions`;
 - `StreamingDataset._share_work`: the epoch's order goes into shared memory without a copy first;
 - `streaming.base.dataset.FileLock` and `streaming.base.shared.barrier.FileLock`, the names a dataset
   creates its barrier's and cache's file locks from (`_shared_barrier.lock`, `_cache_filelock`; the
@@ -129,7 +130,8 @@ LOCK_FILE_SUFFIXES = (BARRIER_FILELOCK, CACHE_FILELOCK)
 
 
 def install_epoch_order(get_sampling, get_shuffle_py1e, generate_work_random) -> None:
-    """Put epoch_order.py's equal replacements where streaming calls its own (install() does)."""
+    """Put the equal replacements (order/sampling.py, order/py1e.py, epoch_order.py) where streaming calls its own
+    (install() does)."""
     streaming_dataset_module.get_sampling = get_sampling  # the name resample_streams calls
     streaming_shuffle_module.algos["py1e"] = get_shuffle_py1e  # streaming's registry of shuffle algorithms
     streaming_batching_module.batching_methods["random"] = generate_work_random  # and of batching methods
