@@ -382,6 +382,9 @@ MUTATIONS = [
     Mutation("order: granules' last pick not cut", "an epoch drawing a fraction of a stream draws stock's counts",
              "tokstream/reader/order/sampling.py", "    sizes[last] -= int(taken[last]) - remainder\n", "\n",
              ("tests/test_epoch_order.py", "-k", "vectorized_sampling")),
+    Mutation("exit: non-daemon threads not waited for", "a rank's exit is a normal exit, without the teardown",
+             "tokstream/train/process_exit.py", "    threading._shutdown()  # as a normal exit",
+             "    pass  # as a normal exit", ("tests/test_process_exit.py",)),
 ]
 
 
