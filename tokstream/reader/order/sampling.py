@@ -33,14 +33,15 @@ def get_sampling_vectorized(samples_per_shard: np.ndarray, choose: int, granular
         return samples_per_shard * choose // num_samples  # whole repeats, as stock computes them (its overflow)
     whole = samples_per_shard * (choose // num_samples)
     remainder, epoch_seed = choose % num_samples, seed + epoch if use_epoch else seed
-    return (whole + _picked(samples_per_shard, remainder, granularity, epoch_seed)).astype(whole.dtype, copy=False)
+    picked = _picked(samples_per_shard, num_samples, remainder, granularity, epoch_seed)
+    return (whole + picked).astype(whole.dtype, copy=False)
 
 
-def _picked(samples_per_shard: np.ndarray, remainder: int, granularity: int, epoch_seed: int) -> np.ndarray:
+def _picked(samples_per_shard: np.ndarray, num_samples: int, remainder: int, granularity: int,
+            epoch_seed: int) -> np.ndarray:
     """Per shard, the samples of the `remainder` the shuffled picks fill (beyond the epoch's whole repeats)."""
     if granularity != 1:
         return _picked_in_granules(samples_per_shard, remainder, granularity, epoch_seed)
-    num_samples = int(np.sum(samples_per_shard))
     ends = np.cumsum(samples_per_shard)
 
     def per_shard(picks: np.ndarray) -> np.ndarray:
