@@ -388,6 +388,9 @@ MUTATIONS = [
     Mutation("exit: non-daemon threads not waited for", "a rank's exit is a normal exit, without the teardown",
              "tokstream/train/process_exit.py", "    threading._shutdown()  # as a normal exit",
              "    pass  # as a normal exit", ("tests/test_process_exit.py",)),
+    Mutation("order files' builder: py1e through streaming's registry", "the builder ahead imports no streaming in py1e",
+             "tokstream/reader/streaming_door/__init__.py", '    if not inputs.shuffle or inputs.shuffle_algo == "py1e":',
+             "    if False:", ("tests/test_order_files.py", "-k", "builder_ahead")),
 ]
 
 

@@ -108,6 +108,34 @@ def test_an_epochs_file_is_built_once_and_mapped_by_every_later_reader_and_the_l
     assert len([n for n in os.listdir(directory) if n.endswith("-epoch-0.npy")]) == 2  # another seed, another file
 
 
+@pytest.mark.parametrize("algo", ["py1e", "py1s"])
+def test_the_builder_ahead_imports_streaming_only_off_py1e_and_builds_the_order_readers_read(mixture, tmp_path, algo):
+    """build_ahead starts a process at every epoch of every launch (`python -m ...order_files`, the inputs pickled on
+    its stdin). In py1e, what `auto` takes for data that fits, it imports neither streaming nor torch (3 s and
+    ~300 MB each time); in another of streaming's shuffles it needs streaming's. Its file holds the epoch's order as a
+    reader computes it in memory."""
+    import pickle
+
+    from tokstream.reader.streaming_door.epoch_order import epoch_sequence
+
+    files = dataclasses.replace(mixture, order_dir=str(tmp_path / "orders"), shuffle_algo=algo)
+    order = SampleOrder(open_dataset(files), 8)
+    try:
+        dataset = order._loader.dataset
+        inputs = order_inputs(dataset)
+        in_memory = epoch_sequence(dataset, 3)
+    finally:
+        order.close()
+    code = ("import runpy, sys; runpy.run_module('tokstream.reader.order.order_files', run_name='__main__'); "
+            "print(sorted(name for name in ('streaming', 'torch') if name in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((inputs, 3, str(tmp_path / "orders"))),
+                          capture_output=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert done.stdout.decode().split("\n")[0] == ("[]" if algo == "py1e" else "['streaming', 'torch']")
+    built = np.load(tmp_path / "orders" / epoch_files(tmp_path / "orders")[3])
+    assert built.dtype == np.uint32 and built.tolist() == in_memory.tolist()
+
+
 def test_a_dead_builders_partial_file_is_removed_and_no_other(mixture, tmp_path):
     """A build killed mid-write leaves a partial name; the next build removes it only when its process is provably
     gone (this host, no process with its pid and start time): a live builder's and another host's stay."""

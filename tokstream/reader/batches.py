@@ -13,6 +13,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+from tokstream.reader.streaming_door.streaming_import import import_streaming
+
+import_streaming()  # before streaming is imported: without transformers and torchvision (streaming_import.py)
 from streaming import Stream
 
 from tokstream.errors import UserError

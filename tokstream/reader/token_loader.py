@@ -29,6 +29,10 @@ import weakref
 from collections.abc import Iterator
 
 import torch
+
+from tokstream.reader.streaming_door.streaming_import import import_streaming
+
+import_streaming()  # before streaming is imported: without transformers and torchvision (streaming_import.py)
 from streaming import StreamingDataLoader
 from torch.utils.data import DataLoader
 

@@ -7,6 +7,8 @@
 - read_check.py: a step's samples as two sums, recorded by the run and checked by the ledger;
 - sampling.py, py1e.py: streaming's resampling and py1e shuffle, the same numbers, vectorized (the door puts them
   where streaming calls its own, and composes them with streaming's partition: streaming_door/epoch_order.py);
+- stock_sequence.py: the two composed, the epoch's sequence before the partition (the door hands it streaming's
+  registry of shuffles; order files in py1e, the default, need nothing of streaming);
 - order_files.py: streaming's own orders (py1e) kept as checksummed files, built once per epoch and mapped by every
   rank; the door hands it how to compute them (its OrderInputs.compute: the door's epoch_order, stock's numbers).
 

@@ -46,7 +46,12 @@ def install() -> None:
 
 def order_file_sequence(inputs, epoch: int):
     """An epoch's order for order/order_files.py (OrderInputs.compute): streaming's, as the readers compute it with the
-    door installed (the same numbers as stock, faster), in whatever process builds the file."""
+    door installed (the same numbers as stock, faster), in whatever process builds the file. In py1e, the default,
+    that is the order's own py1e, which install() puts in streaming's registry: the builder imports no streaming."""
+    if not inputs.shuffle or inputs.shuffle_algo == "py1e":
+        from tokstream.reader.order.stock_sequence import py1e_sequence
+
+        return py1e_sequence(inputs, epoch)
     from tokstream.reader.streaming_door import epoch_order
 
     install()

@@ -8,12 +8,10 @@ array, composed in place, each epoch-sized array dropped once used. It is the do
 own partition and its registry of shuffles; tested equal to stock (tests/test_epoch_order.py).
 """
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
 from tokstream.reader.order.py1e import look_up_in_place
-from tokstream.reader.order.sampling import resampled_sample_ids, resampled_shards
+from tokstream.reader.order.stock_sequence import shuffled_units, stock_sequence
 from tokstream.reader.streaming_door import streaming_internals as internals
 from tokstream.reader.streaming_door.streaming_internals import get_partitions, get_shuffle
 
@@ -41,27 +39,12 @@ def generate_work_random(dataset, world, epoch: int, sample_in_epoch: int) -> np
 def epoch_sequence(dataset, epoch: int) -> np.ndarray:
     """The epoch's samples in streaming's order, before the partition deals them out: position -> sample id
     (the array `generate_work_random` indexes with the partition; order_files.py keeps it as a file)."""
-    if dataset.shuffle and not isinstance(dataset.shuffle_block_size, int):
-        raise TypeError(f"Dataset `shuffle_block_size` must be an integer. Got {type(dataset.shuffle_block_size)} "
-                        "instead.")
+    def shuffle(units, num_canonical_nodes, seed, of_epoch, block_size):  # streaming's registry, as stock calls it
+        return get_shuffle(dataset.shuffle_algo, units, num_canonical_nodes, seed, of_epoch, block_size)
+
     stock = internals.StreamingDataset.resample_streams
-    if getattr(type(dataset), "resample_streams", stock) is not stock:  # order files' inputs: stock's, by definition
-        units, order = dataset.resample_streams(epoch)  # a subclass's own resampling
-        shuffle = _shuffle(dataset, units, epoch)
-    else:
-        units, shards = resampled_shards(dataset, epoch)
-        with ThreadPoolExecutor(1) as pool:
-            mapping = pool.submit(resampled_sample_ids, dataset, epoch, shards)
-            shuffle = _shuffle(dataset, units, epoch)
-            order = mapping.result()  # resampled ("big") id -> sample id
-            del mapping  # it would hold the mapping alive through the partition, after it is composed
-    if shuffle is not None:
-        order = look_up_in_place(shuffle, order)
-    return order
-
-
-def _shuffle(dataset, units: np.ndarray, epoch: int) -> np.ndarray | None:
-    if not dataset.shuffle:
-        return None
-    return get_shuffle(dataset.shuffle_algo, units, dataset.num_canonical_nodes, dataset.shuffle_seed, epoch,
-                       dataset.shuffle_block_size)
+    if getattr(type(dataset), "resample_streams", stock) is stock:  # order files' inputs: stock's, by definition
+        return stock_sequence(dataset, epoch, shuffle)
+    units, order = dataset.resample_streams(epoch)  # a subclass's own resampling
+    shuffled = shuffled_units(dataset, units, epoch, shuffle)
+    return order if shuffled is None else look_up_in_place(shuffled, order)

@@ -65,6 +65,10 @@ from tempfile import gettempdir
 
 import numpy as np
 from filelock import FileLock, Timeout
+
+from tokstream.reader.streaming_door.streaming_import import import_streaming
+
+import_streaming()  # before streaming is imported: without transformers and torchvision (streaming_import.py)
 import streaming
 import streaming.base.batching as streaming_batching_module
 from streaming.base.batching import generate_work
