@@ -391,6 +391,10 @@ MUTATIONS = [
     Mutation("order files' builder: py1e through streaming's registry", "the builder ahead imports no streaming in py1e",
              "tokstream/reader/streaming_door/__init__.py", '    if not inputs.shuffle or inputs.shuffle_algo == "py1e":',
              "    if False:", ("tests/test_order_files.py", "-k", "builder_ahead")),
+    Mutation("imports: the loader's streaming without the deferral", "each module that imports streaming defers transformers",
+             "tokstream/reader/token_loader.py",
+             "import_streaming()  # before streaming is imported: without transformers and torchvision (streaming_import.py)\n",
+             "\n", ("tests/test_layout.py", "-k", "defers_transformers")),
 ]
 
 

@@ -2,8 +2,8 @@
 
 Any process that has built a reader has the project's replacements installed in streaming's own
 modules (streaming_door.install(): sampling, the py1e shuffle, random batching, Spanner,
-get_shm_prefix, FileLock; and on importing tokstream.reader, streaming_import.py's stand-ins for
-transformers' batch classes), so a StreamingDataset built in the test process may run the project's
+get_shm_prefix, FileLock; and once a reader module has imported streaming, streaming_import.py's
+stand-ins for transformers' batch classes), so a StreamingDataset built in the test process may run the project's
 code. The references are computed
 instead by this file run as a script, in a process of its own that imports streaming and none of
 the project: it serves requests (one JSON line each on stdin, the result as .npz) until its stdin

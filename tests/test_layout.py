@@ -92,21 +92,26 @@ def test_no_module_changes_another_at_import():
 
 
 def test_a_module_that_imports_streaming_defers_transformers_first():
-    """import_streaming() runs before a module's own import of streaming (the package's __init__ imports
-    nothing eagerly, so that order files' builder imports neither streaming nor torch: whichever of these
-    modules a process imports first sees to it)."""
+    """Three modules import streaming, each at its top and after import_streaming() (the package's __init__ imports
+    nothing eagerly, so that order files' builder imports neither streaming nor torch: whichever of them a process
+    imports first sees to the deferral). Nothing else imports it, at any depth."""
+    def of_streaming(node) -> bool:
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        return any(name.split(".")[0] == "streaming" for name in names)
+
     importing = []
     for path in sorted((ROOT / "tokstream").rglob("*.py")):
-        body = ast.parse(path.read_text()).body
-        names = [ast.unparse(node) for node in body]
-        first = next((i for i, node in enumerate(body) if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
-            (alias.name if isinstance(node, ast.Import) else node.module or "").split(".")[0] == "streaming"
-            for alias in node.names)), None)
-        if first is not None:
-            importing.append(path.relative_to(ROOT).as_posix())
-            assert "import_streaming()" in names[:first], path
-        else:
-            assert "import_streaming()" not in names, path
+        tree = ast.parse(path.read_text())
+        if not any(isinstance(node, (ast.Import, ast.ImportFrom)) and of_streaming(node) for node in ast.walk(tree)):
+            assert "import_streaming()" not in map(ast.unparse, tree.body), path
+            continue
+        importing.append(path.relative_to(ROOT).as_posix())
+        body = tree.body
+        first = next(i for i, node in enumerate(body) if isinstance(node, (ast.Import, ast.ImportFrom)) and of_streaming(node))
+        assert "import_streaming()" in map(ast.unparse, body[:first]), path
+        at_top = [node for node in body if isinstance(node, (ast.Import, ast.ImportFrom)) and of_streaming(node)]
+        everywhere = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) and of_streaming(node)]
+        assert len(at_top) == len(everywhere), (path, "imports streaming below its top level")
     assert importing == ["tokstream/reader/batches.py", "tokstream/reader/streaming_door/streaming_internals.py",
                          "tokstream/reader/token_loader.py"]
 

@@ -1,5 +1,6 @@
 """Used by JAX and other loops that load with Grain: a converted split as a Grain data source (`pip install -e
-'.[grain]'`). It lives at the package root because tokstream.reader imports streaming, which this must not.
+'.[grain]'`). It lives at the package root, apart from the reader's modules: most import streaming, which this
+must not.
 
 Record i is sample i of the split: its block_size + 1 token ids (inputs tokens[:-1], targets tokens[1:]), the
 very samples tokstream's reader gives. Shuffling, sharding over processes, batching and checkpointing are

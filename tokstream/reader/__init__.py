@@ -33,7 +33,12 @@ __all__ = sorted(_HOMES)
 def __getattr__(name: str):
     if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    try:
+        module = importlib.import_module(f"{__name__}.{_HOMES[name]}")
+    except AttributeError as err:  # raised inside that module's imports: `from ... import` would hide it
+        raise ImportError(f"importing {__name__}.{_HOMES[name]} failed: {err!r}") from err
+    value = globals()[name] = getattr(module, name)  # later lookups find it without coming here
+    return value
 
 
 def __dir__() -> list[str]:

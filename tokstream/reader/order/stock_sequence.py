@@ -22,7 +22,6 @@ def stock_sequence(dataset, epoch: int, shuffle: Shuffle | None) -> np.ndarray:
     """The epoch's sequence by stock's resampling (`dataset`: streaming's attribute names) and `shuffle`, None when
     the dataset does not shuffle. The resampling's draws run in a thread beside the shuffle (numpy lets go of the GIL
     in both)."""
-    _check_block_size(dataset)  # before anything is computed, as stock
     units, shards = resampled_shards(dataset, epoch)
     with ThreadPoolExecutor(1) as pool:
         mapping = pool.submit(resampled_sample_ids, dataset, epoch, shards)
@@ -35,14 +34,10 @@ def stock_sequence(dataset, epoch: int, shuffle: Shuffle | None) -> np.ndarray:
 def shuffled_units(dataset, units: np.ndarray, epoch: int, shuffle: Shuffle | None) -> np.ndarray | None:
     if not dataset.shuffle:
         return None
-    _check_block_size(dataset)
-    return shuffle(units, dataset.num_canonical_nodes, dataset.shuffle_seed, epoch, dataset.shuffle_block_size)
-
-
-def _check_block_size(dataset) -> None:
-    if dataset.shuffle and not isinstance(dataset.shuffle_block_size, int):  # stock's check
+    if not isinstance(dataset.shuffle_block_size, int):  # stock's check, after its resampling as in stock
         raise TypeError(f"Dataset `shuffle_block_size` must be an integer. Got {type(dataset.shuffle_block_size)} "
                         "instead.")
+    return shuffle(units, dataset.num_canonical_nodes, dataset.shuffle_seed, epoch, dataset.shuffle_block_size)
 
 
 def py1e_sequence(dataset, epoch: int) -> np.ndarray:
