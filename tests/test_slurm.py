@@ -51,15 +51,18 @@ def test_a_conversion_array_with_a_cancelled_part_submitted_again_merges_to_the_
     # The merge can never run now (afterok): Slurm cancels it, and no dataset appears.
     assert slurm.wait_for(merge, {"CANCELLED", "COMPLETED", "FAILED"})["JobState"] == "CANCELLED"
     assert not out.exists()
-    assert sorted(p.parent.name for p in parts.glob(f"*/{PART_DONE_FILE}")) == [
-        f"part-0000{i}-of-00004" for i in (0, 1, 3)]
+    # Part 2 is cancelled as it runs. On a loaded machine its process can have finished the part (its done file
+    # written last) before the signal came, while Slurm still records the task as CANCELLED (seen once in 2026-11-28's
+    # runs): then the rerun keeps all four. Either way no other part is missing or converted twice.
+    done = sorted(p.parent.name for p in parts.glob(f"*/{PART_DONE_FILE}"))
+    assert done in ([f"part-0000{i}-of-00004" for i in (0, 1, 3)], [f"part-0000{i}-of-00004" for i in range(4)]), done
 
     _, merge = submit(slurm, command, tmp_path)  # the same command again
     assert slurm.wait_for(merge, {"COMPLETED", "CANCELLED", "FAILED"}, timeout=300)["JobState"] == "COMPLETED", \
         slurm.logs()
     logs = {path.name: path.read_text() for path in tmp_path.glob("tokstream-convert-*.out")}
     kept = [text for text in logs.values() if "already complete, kept" in text]
-    assert len(kept) == 3, logs  # parts 0, 1 and 3 were not converted again
+    assert len(kept) == len(done), logs  # the parts done before (0, 1 and 3) were not converted again
     assert tree_bytes(out) == tree_bytes(tmp_path / "single")
     assert not parts.exists()
 
