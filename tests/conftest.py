@@ -21,6 +21,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # a tiny run's CPU time was the kernel's (measured: 2 ranks x 16 steps, 10.5 s of system time -> 4.1 s).
 os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295")
 
+# Training runs that no signal reaches fork their ranks from a server that has imported torch once per test
+# process (tests/warm_ranks.py): set before anything here starts multiprocessing's forkserver.
+from warm_ranks import use_warm_ranks  # noqa: E402
+
+use_warm_ranks()
+
 
 def pytest_collection_modifyitems(items):
     """The long tests first: each test process starts its share in order and the idle one takes

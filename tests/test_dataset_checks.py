@@ -29,7 +29,7 @@ def error_lines(output: str) -> list[str]:
 
 def refused(dataset: Path, tmp_path: Path, nproc: int = 2) -> list[str]:
     """The error lines of a run that must fail, checked for a non-zero exit and no traceback of the trainer."""
-    process = training.launch(nproc, dataset, tmp_path / "run")
+    process = training.launch(nproc, dataset, tmp_path / "run", warm=True)
     output, _ = process.communicate(timeout=180)
     assert process.returncode != 0, output[-3000:]
     assert NO_TRACEBACK not in output, output[-3000:]

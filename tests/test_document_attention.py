@@ -171,7 +171,7 @@ def test_document_attention_resumes_exactly_after_sigterm_sigkill_and_on_another
     kill_tree(killed.process.pid)
     killed.finish()
     assert latest_step(store) == 8 and 3 <= stopped < 8
-    last = Output(launch(1, dataset, run_dir, *common, "micro_batch_size=8")).finish()
+    last = Output(launch(1, dataset, run_dir, *common, "micro_batch_size=8", warm=True)).finish()
     assert "resumed from" in last and "relaunch: resuming a 2-rank run on 1 ranks" in last, last[-3000:]
     interrupted = metrics(run_dir)
     assert [m["step"] for m in interrupted] == [m["step"] for m in reference] == list(range(1, 13))

@@ -117,7 +117,7 @@ def test_training_in_the_lazy_order_resumes_exactly_after_sigterm_sigkill_and_on
     wait_for(lambda: (latest_step(store) or 0) >= stopped + 4)
     kill_tree(second.pid)
     second.communicate(timeout=60)
-    finish(launch(2, dataset, run_dir, *lazy))
+    finish(launch(2, dataset, run_dir, *lazy, warm=True))
 
     interrupted = metrics(run_dir)
     assert [m["step"] for m in interrupted] == [m["step"] for m in reference] == list(range(1, 17))

@@ -6,6 +6,7 @@ other world sizes, micro-batches and workers, with mixtures and epoch ends, and 
 a run of two nodes of two ranks."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from test_training import tiny_splits
 
 from tokstream.errors import UserError
 from tokstream.reader import BatchPlan, DataConfig, SampleOrder, StreamConfig, TrainBatches, open_dataset
+from warm_ranks import WarmLaunch
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +66,12 @@ def json_lines(done: subprocess.CompletedProcess) -> list[dict]:
 
 
 def train(run_dir: Path, data: Path, steps: int, *extra: str) -> None:
-    """configs/tiny.yaml on one process over `data`, 8 samples a step, traced, to `steps` (a relaunch goes on)."""
-    done = subprocess.run([sys.executable, str(ROOT / "train/main.py"), "configs/tiny.yaml", f"max_steps={steps}",
-                           "optim.decay_steps=10", "checkpoint_interval=5", "eval_interval=0", "trace_samples=true",
-                           "global_batch_size=8", "micro_batch_size=4", f"data.remote={data}",
-                           f"run_dir={run_dir}", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    """configs/tiny.yaml on one process (warm: no signal reaches it) over `data`, 8 samples a step, traced, to `steps` (a relaunch goes on)."""
+    done = WarmLaunch(None, ["configs/tiny.yaml", f"max_steps={steps}", "optim.decay_steps=10", "checkpoint_interval=5",
+                             "eval_interval=0", "trace_samples=true", "global_batch_size=8", "micro_batch_size=4",
+                             f"data.remote={data}", f"run_dir={run_dir}", *extra], dict(os.environ), ROOT)
+    output, _ = done.communicate(timeout=300)
+    assert done.returncode == 0, output[-4000:]
 
 
 @pytest.fixture(scope="module")

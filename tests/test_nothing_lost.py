@@ -102,7 +102,7 @@ def test_ranks_exit_when_torchruns_agent_is_killed_and_the_relaunch_resumes_at_o
     assert "has a lease" not in output and time.monotonic() - began < 85
     assert training.trained_steps(tmp_path) == reference
 
-    shorter = training.launch(2, dataset, tmp_path, "max_steps=8")
+    shorter = training.launch(2, dataset, tmp_path, "max_steps=8", warm=True)
     said = shorter.communicate(timeout=120)[0]
     assert shorter.returncode != 0
     assert [line for line in said.splitlines() if line.startswith("error:")] == [

@@ -24,6 +24,7 @@ from test_training import launch, metrics, tiny_splits, train, wait_for
 from tokstream.errors import UserError
 from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
 from tokstream.testing.processes import kill_tree
+from warm_ranks import WarmLaunch
 from tokstream.train.checkpoint_files import latest_step
 from tokstream.train.config import load_config
 from tokstream.train.phased_batches import PhasedBatches
@@ -360,7 +361,7 @@ def test_an_interruption_at_every_kind_of_boundary_resumes_exactly(tmp_path):
     assert "phases.3 from step 12: global batch 16 (accumulation 4), block 128, a mixture of b, c" in text
     stopped = latest_step(store)
     assert 13 <= stopped < SCHEDULE_STEPS, text[-3000:]
-    last = Output(launch(2, None, run_dir, *common, "micro_batch_size=1")).finish()
+    last = Output(launch(2, None, run_dir, *common, "micro_batch_size=1", warm=True)).finish()
     assert f"resumed from {run_dir}/ckpt-{stopped:08d}.pt" in last
     assert "relaunch: micro_batch_size changed from 4 to 1\n" in last
 
@@ -437,14 +438,18 @@ def test_the_phases_example_config_runs_on_the_real_corpora(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 10_000 and "run train" in labels
     assert not any("guard" in r for r in records)  # no false alarm at a phase's start
 
-    on = subprocess.run([*command, "max_steps=50"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert on.returncode == 0 and not any("guard" in r for r in metrics(tmp_path / "run")), on.stdout[-3000:]
+    def relaunch(*overrides: str) -> tuple[int, str]:  # the same ranks, warm (tests/test_training.py's launch)
+        argv = command[command.index("train/main.py") + 1:]
+        process = WarmLaunch(2, [*argv, *overrides], {**os.environ, "OMP_NUM_THREADS": "1"}, ROOT)
+        said = process.communicate(timeout=300)[0]
+        return process.returncode, said
+
+    status, said = relaunch("max_steps=50")
+    assert status == 0 and not any("guard" in r for r in metrics(tmp_path / "run")), said[-3000:]
     raised = ["max_steps=60", "optim.lr=3", "optim.min_lr=3", "resume_allow=[optim.lr,optim.min_lr]"]
-    spiked = subprocess.run([*command, *raised], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    caught = re.search(r"loss spike at step (\d+) \(loss_z ([\d.]+|inf)", spiked.stdout)
-    assert spiked.returncode != 0 and caught and int(caught.group(1)) in (51, 52), spiked.stdout[-3000:]
+    status, said = relaunch(*raised)
+    caught = re.search(r"loss spike at step (\d+) \(loss_z ([\d.]+|inf)", said)
+    assert status != 0 and caught and int(caught.group(1)) in (51, 52), said[-3000:]
 
 
 def test_a_reader_state_from_before_phases_resumes_as_the_first_phases_stream(data):
@@ -617,19 +622,19 @@ def test_a_later_phases_data_replaced_mid_run_stops_the_run_at_its_boundary_and_
     settings = ["max_steps=10", "global_batch_size=4", "micro_batch_size=2", "model.block_size=128",
                 "eval_interval=2", "eval_batches=100000", "checkpoint_interval=100",
                 f"phases=[{{start_step: 0, data: {{remote: '{a}'}}}}, {{start_step: 4, data: {{remote: '{b}'}}}}]"]
-    first = Output(launch(1, None, run_dir, *settings))
+    first = Output(launch(1, None, run_dir, *settings, warm=True))
     first.wait_for(lambda text: len(metrics(run_dir)) >= 1)  # started: every phase's data opened
     os.rename(b, tmp_path / "b" / "old")
     os.rename(replacement, b)  # as a conversion with --overwrite puts its output in place
     text = first.finish()
-    assert first.process.returncode == 1 and "exitcode  : 2" in text, text[-3000:]  # torchrun's word for a rank's 2
+    assert first.process.returncode == 2, text[-3000:]
     assert latest_step(LocalRunStore(str(run_dir))) == 4
     identity = open_dataset(DataConfig(remote=str(b))).identity
     assert f"phases.1's data ({b}) changed since this launch opened it (identity " in text
     assert (f", now {identity}); saved a checkpoint at step 4, before phases.1 starts: relaunch the same command to "
             "train phases.1 on the data as it is now\n") in text
 
-    Output(launch(1, None, run_dir, *settings)).finish()
+    Output(launch(1, None, run_dir, *settings, warm=True)).finish()
     traced = metrics(run_dir)
     assert [m["step"] for m in traced] == list(range(1, 11))
     new_stream = stream(DataConfig(remote=str(b)), 4, 24)
@@ -736,22 +741,22 @@ def test_data_a_trained_phase_read_changed_under_a_later_phase_stops_the_run_say
                 "eval_interval=2", "eval_batches=100000", "checkpoint_interval=100",
                 f"phases=[{{start_step: 0, data: {{remote: '{a}'}}}}, {{start_step: 4, data: {{remote: '{b}'}}}}, "
                 f"{{start_step: 8, data: {{remote: '{a}'}}}}]"]
-    first = Output(launch(1, None, run_dir, *settings))
+    first = Output(launch(1, None, run_dir, *settings, warm=True))
     first.wait_for(lambda text: len(metrics(run_dir)) >= 5)  # phases.1 trains: a's reader is closed
     os.rename(a, tmp_path / "a" / "old")
     os.rename(replacement, a)
     text = first.finish()
-    assert first.process.returncode == 1 and "exitcode  : 2" in text, text[-3000:]
+    assert first.process.returncode == 2, text[-3000:]
     assert (f"changed since this launch opened it (identity {open_dataset(DataConfig(remote=str(tmp_path / 'a' / 'old'))).identity}, "
             f"now {open_dataset(DataConfig(remote=str(a))).identity}); phases.0, which has trained, read that data too, "
             "so the run cannot go on with it: put the data back as it was (a checkpoint is saved at step 8, before "
             "phases.2), or use a new run_dir\n") in text
-    refused = Output(launch(1, None, run_dir, *settings))
+    refused = Output(launch(1, None, run_dir, *settings, warm=True))
     assert "phases.0's data differs from the one the checkpoint's run read in it" in refused.finish()
 
     os.rename(a, tmp_path / "a-again" / "ds")
     os.rename(tmp_path / "a" / "old", a)  # put back
-    Output(launch(1, None, run_dir, *settings)).finish()
+    Output(launch(1, None, run_dir, *settings, warm=True)).finish()
     traced = metrics(run_dir)
     assert [m["step"] for m in traced] == list(range(1, 11))
     ledger = Ledger.of_run(str(run_dir))

@@ -326,7 +326,7 @@ def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_dis
     # The node's first rank cannot download it: the job stops with its one line (no rank waits for it forever).
     s3.fail("GET", resumed_from, times=-1, status=403)
     refused = training.launch(2, plays_on_s3, run_dir, f"data.local={tmp_path / 'denied' / 'cache'}",
-                              f"run_local={tmp_path / 'denied' / 'run'}", CACHE_LIMIT)
+                              f"run_local={tmp_path / 'denied' / 'run'}", CACHE_LIMIT, warm=True)
     output = refused.communicate(timeout=120)[0]
     s3.clear()
     assert refused.returncode != 0
@@ -335,7 +335,7 @@ def test_two_nodes_with_the_run_in_s3_preempted_lost_and_relaunched_on_fresh_dis
     gets_before = s3.count("GET", resumed_from)
     (tmp_path / "third").mkdir()  # its TMPDIR: run_local's default is under it
     output = training.finish(training.launch(2, plays_on_s3, run_dir, f"data.local={tmp_path / 'third' / 'cache'}",
-                                             CACHE_LIMIT, env={"TMPDIR": str(tmp_path / "third")}))
+                                             CACHE_LIMIT, env={"TMPDIR": str(tmp_path / "third")}, warm=True))
     assert f"resumed from {run_dir}/{resumed_from} at step {periodic}" in output
     gets_by_the_run = s3.count("GET", resumed_from) - gets_before
     final = f"ckpt-{newest_checkpoint():08d}.pt"  # the one the run resumed from is gone (keep_checkpoints)

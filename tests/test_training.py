@@ -20,6 +20,7 @@ import pytest
 from conftest import ROOT, SHARED, Node
 
 from tokstream.errors import UserError
+from warm_ranks import WarmLaunch
 from tokstream.train.metrics import read_records
 
 STEPS = 16
@@ -28,12 +29,18 @@ BASE = ["configs/tiny.yaml", f"max_steps={STEPS}", f"optim.decay_steps={STEPS}",
 
 
 def launch(nproc: int, dataset: Path | str | None, run_dir: Path, *overrides: str, torchrun: tuple = (),
-           env: dict | None = None) -> subprocess.Popen:
-    """torchrun train/main.py on BASE; dataset None: the overrides give a mixture (data.streams) instead."""
+           env: dict | None = None, warm: bool = False) -> subprocess.Popen | WarmLaunch:
+    """torchrun train/main.py on BASE; dataset None: the overrides give a mixture (data.streams) instead.
+    warm: the ranks forked from the test process's warm server instead (tests/warm_ranks.py), for
+    a launch that no signal, kill or restart reaches."""
     data = ["data.remote="] if dataset is None else [f"data.remote={dataset}"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun,
-               str(ROOT / "train/main.py"), *BASE, *data, f"run_dir={run_dir}", *overrides]
+    argv = [*BASE, *data, f"run_dir={run_dir}", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    if warm:
+        assert not torchrun, "torchrun's options need torchrun"
+        return WarmLaunch(nproc, argv, env, ROOT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun,
+               str(ROOT / "train/main.py"), *argv]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -67,7 +74,8 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> str:
 
 
 def train(nproc: int, dataset: Path, run_dir: Path, *overrides: str) -> str:
-    return finish(launch(nproc, dataset, run_dir, *overrides))
+    """A run to its end, nothing sent to it: its ranks warm (the tests of torchrun's part launch torchrun)."""
+    return finish(launch(nproc, dataset, run_dir, *overrides, warm=True))
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -307,15 +315,15 @@ def test_dataloader_workers_ignore_preemption_signals_and_the_run_goes_on_exactl
 def test_each_step_logs_its_gradient_norm_before_clipping_and_its_share_of_waiting_for_data(dataset, tmp_path, clip):
     """The norm a spike shows first, before clipping scales it down (clipped: whether it was); 0 turns clipping off
     and the norm is still logged. The console line shows both and the share of the step spent waiting for data."""
-    done = subprocess.run([sys.executable, str(ROOT / "train/main.py"), "configs/tiny.yaml", "max_steps=3",
-                           "global_batch_size=8", "micro_batch_size=4", f"optim.grad_clip={clip}", "log_interval=1",
-                           "eval_interval=0", f"data.remote={dataset}", f"run_dir={tmp_path / 'run'}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = WarmLaunch(None, ["configs/tiny.yaml", "max_steps=3", "global_batch_size=8", "micro_batch_size=4",
+                             f"optim.grad_clip={clip}", "log_interval=1", "eval_interval=0", f"data.remote={dataset}",
+                             f"run_dir={tmp_path / 'run'}"], dict(os.environ), ROOT)  # one process, as python runs it
+    said = done.communicate(timeout=300)[0]
+    assert done.returncode == 0, said[-2000:]
     records = metrics(tmp_path / "run")
     assert [r["clipped"] for r in records] == [clip > 0] * 3  # a fresh model's norm is far above 0.001
     assert all(r["grad_norm"] > 0.001 for r in records)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    lines = [line for line in said.splitlines() if line.startswith("step ")]
     assert len(lines) == 3 and all(f"grad_norm {r['grad_norm']:.3g}" in line for r, line in zip(records, lines))
     assert all(("(clipped)" in line) == (clip > 0) and re.search(r"data_wait [\d.]+ ms \(\d+%\)", line)
                for line in lines)

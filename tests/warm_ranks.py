@@ -1,0 +1,124 @@
+"""train/main.py's ranks forked from a warm process, for the training tests that are not about processes.
+
+A torchrun launch of the tiny config on 2 CPU ranks spends most of its CPU on imports before its first step:
+torch in the agent and in each rank (about 4 s each on the 2-core test machine), torch._dynamo in each rank (about
+3 s more: every torch.optim optimizer imports it). Here multiprocessing's forkserver imports all of it once per test
+process (`tests/warm_rank_preload.py`, set as its preload by tests/conftest.py before anything starts the
+server), and each rank is a fork of that server: a real process, with the variables torchrun gives a rank, running
+train/main.py as `__main__`, with the stdout and stderr of every rank merged in one stream, as torchrun's agent has them.
+
+Not here is torchrun's agent: it forwards no signal, restarts nothing, hosts no store, and a rank does not watch it.
+The tests of those, and of every signal or death sent to a launch, several nodes and Slurm, launch torchrun itself.
+"""
+
+import multiprocessing
+import os
+import runpy
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from tokstream.train.cpu_dispatch import VARIABLE as NUMPY_CHOICE
+
+PRELOAD = "warm_rank_preload"
+TRAINER = Path(__file__).resolve().parents[1] / "train" / "main.py"
+
+
+def use_warm_ranks() -> None:
+    """Make the forkserver import what a rank imports; called before anything starts the server."""
+    multiprocessing.set_forkserver_preload([PRELOAD])
+
+
+class WarmLaunch:
+    """`train/main.py *argv` forked from the warm server, as a Popen of torchrun has it: `stdout` (every rank's
+    stdout and stderr, merged), `poll`, `wait`, `communicate` and `returncode` (0 when every rank exited 0, else
+    the first failed rank's status). `ranks`: that many ranks with torchrun's variables on one node; None: one
+    process without them, as `python train/main.py`."""
+
+    def __init__(self, ranks: int | None, argv: list[str], env: dict, cwd: Path):
+        self.args = ["warm", str(TRAINER), *map(str, argv)]
+        reader, writer = socket.socketpair()
+        port = _free_port()
+        context = multiprocessing.get_context("forkserver")
+        self.processes = []
+        for rank in range(ranks or 1):
+            rank_env = dict(env)
+            if ranks is not None:
+                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                                WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), ROLE_WORLD_SIZE=str(ranks),
+                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            process = context.Process(target=_rank, args=(rank_env, self.args[2:], str(cwd), writer),
+                                      name=f"rank {rank}")
+            process.start()
+            self.processes.append(process)
+        writer.close()
+        self.stdout = reader.makefile("r", encoding="utf-8", errors="replace")
+        reader.close()  # the file holds the socket open
+        self.pid = self.processes[0].pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and all(process.exitcode is not None for process in self.processes):
+            failed = [process.exitcode for process in self.processes if process.exitcode != 0]
+            self.returncode = failed[0] if failed else 0
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for process in self.processes:
+            process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        """All of the output, once every rank has ended (killed after `timeout`)."""
+        output: list[str] = []
+        reading = threading.Thread(target=lambda: output.append(self.stdout.read()), daemon=True)
+        reading.start()
+        try:
+            reading.join(timeout)
+            self.wait(0 if reading.is_alive() else timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        return output[0], None
+
+    def kill(self) -> None:
+        """Every rank still running, killed (a test that failed or timed out leaves none behind)."""
+        for process in self.processes:
+            if process.exitcode is None:
+                process.kill()
+        for process in self.processes:
+            process.join()
+        self.poll()
+
+
+def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket) -> None:
+    """In the fork: the rank's environment, output and threads as torchrun's would be, then train/main.py."""
+    import torch
+
+    os.dup2(output.fileno(), 1)
+    os.dup2(output.fileno(), 2)
+    output.close()
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+    numpy_choice = {key: os.environ[key] for key in (NUMPY_CHOICE,) if key in os.environ}  # made in the server
+    os.environ.clear()
+    os.environ.update({**numpy_choice, **env})
+    tempfile.tempdir = None  # found again from this environment's TMPDIR, not the server's
+    os.chdir(cwd)
+    if "OMP_NUM_THREADS" in env:  # read by the server when it imported torch, from its own environment
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = [str(TRAINER), *argv]
+    runpy.run_path(str(TRAINER), run_name="__main__")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
