@@ -29,21 +29,9 @@ use_warm_ranks()
 
 
 def pytest_collection_modifyitems(items):
-    """Each test process starts with its even share of the long tests. pytest-xdist's worksteal gives the
-    processes contiguous shares of this list (the first n // N items to the first, and so on) and an idle
-    process takes the back half of the longest queue: with the long tests all at the front, the first process
-    ran them one after another while the others ran out of work, and the suite ended on its long tail."""
-    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set by xdist before it collects
-    long = [item for item in items if item.get_closest_marker("long")]
-    short = [item for item in items if not item.get_closest_marker("long")]  # in file order
-    ordered: list = []
-    for process in range(processes):
-        dealt = long[process::processes]
-        share = (len(items) - len(ordered)) // (processes - process)  # as worksteal cuts the list
-        fill = max(0, share - len(dealt))
-        ordered += dealt + short[:fill]
-        short = short[fill:]
-    items[:] = ordered + short
+    """The long tests first: each test process starts its share in order and the idle one takes
+    pending tests from the other, so a long test started last would end the suite alone."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: otherwise in file order
 
 
 @pytest.fixture(scope="session", autouse=True)
