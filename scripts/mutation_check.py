@@ -395,6 +395,13 @@ MUTATIONS = [
              "tokstream/reader/token_loader.py",
              "import_streaming()  # before streaming is imported: without transformers and torchvision (streaming_import.py)\n",
              "\n", ("tests/test_layout.py", "-k", "defers_transformers")),
+    Mutation("checkpoint: the metrics copy after the manifest", "nothing a run wrote is lost to a kill",
+             "tokstream/train/checkpoint_files.py",
+             "    if metrics is not None:\n        store.publish_bytes(METRICS_FILE, metrics)\n    write_manifest(store, step,"
+             " (writer.bytes, writer.digest.hexdigest()), run_id, state.get(\"run\"))\n",
+             "    write_manifest(store, step, (writer.bytes, writer.digest.hexdigest()), run_id, state.get(\"run\"))\n"
+             "    if metrics is not None:\n        store.publish_bytes(METRICS_FILE, metrics)\n",
+             ("tests/test_checkpoint.py", "-k", "metrics_copy")),
 ]
 
 

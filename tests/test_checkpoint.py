@@ -12,8 +12,9 @@ from conftest import ROOT
 
 from tokstream.errors import UserError
 from tokstream.train.checkpoint import find_latest
-from tokstream.train.checkpoint_files import Survey, read_manifest, write_checkpoint
+from tokstream.train.checkpoint_files import Survey, manifest_name, read_manifest, write_checkpoint
 from tokstream.train.config import load_config
+from tokstream.train.metrics import METRICS_FILE
 from tokstream.train.run_store import LocalRunStore
 
 
@@ -46,6 +47,36 @@ def test_keeps_last_k_and_ignores_interrupted_writes(tmp_path):
     (tmp_path / "ckpt-00000050.pt.tmp123").write_bytes(b"half a checkpoint")  # a save killed mid-write
     url, state = load_latest(tmp_path)
     assert url == f"{tmp_path}/ckpt-00000040.pt" and state["progress"]["step"] == 40
+
+
+class Killed(BaseException):
+    """The writer's process killed: nothing of it runs on."""
+
+
+class KilledAfterTheManifest(LocalRunStore):
+    """A store whose writer is killed the moment step `step`'s manifest is in place (what makes it complete)."""
+
+    def __init__(self, root, step: int):
+        super().__init__(root)
+        self.killed_at = manifest_name(step)
+
+    def publish_bytes(self, name: str, data: bytes) -> None:
+        super().publish_bytes(name, data)
+        if name == self.killed_at:
+            raise Killed(name)
+
+
+def test_a_checkpoint_complete_in_the_store_has_its_metrics_copy_there_too(tmp_path):
+    """An S3 run's metrics go to the store with each checkpoint, and a relaunch resumes from the newest checkpoint
+    with a manifest, its metrics.jsonl replaced by the store's copy: so the copy must be there before the manifest.
+    Written after it, a kill between the two lost the step's line for good (seen once in the random interruption
+    schedule: metrics.jsonl without step 5)."""
+    store = KilledAfterTheManifest(tmp_path, 5)
+    write_checkpoint(store, 4, trainer_state(4), 2, RUN_ID, trusted=[], metrics=b"steps 1-4\n")
+    with pytest.raises(Killed):
+        write_checkpoint(store, 5, trainer_state(5), 2, RUN_ID, trusted=[4], metrics=b"steps 1-5\n")
+    assert complete(tmp_path) == [4, 5]  # a relaunch resumes from 5
+    assert store.read_bytes(METRICS_FILE) == b"steps 1-5\n"
 
 
 def test_keep_every_keeps_older_checkpoints_at_its_multiples_for_a_rewind(tmp_path):

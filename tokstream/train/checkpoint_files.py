@@ -175,8 +175,10 @@ class _DigestingWriter:
 
 def write_checkpoint(store: RunStore, step: int, state: dict, keep: int, run_id: str, trusted: list[int],
                      metrics: bytes | None = None, keep_every: int = 0) -> None:
-    """Data, manifest, the metrics (an S3 run's copy), LATEST; then retention, counting the `trusted`
-    steps (the writer's own saves and the one it resumed from, verified) and `step`. Raises what a write raised."""
+    """Data, the metrics (an S3 run's copy), manifest, LATEST; then retention, counting the `trusted`
+    steps (the writer's own saves and the one it resumed from, verified) and `step`. Raises what a write raised.
+    The metrics before the manifest: the manifest makes the checkpoint one a relaunch resumes from, with the
+    store's metrics as they are then (a copy newer than the checkpoint is cut back to its step)."""
     name = checkpoint_name(step)
     staged = staging_path(store, name)
     try:
@@ -193,9 +195,9 @@ def write_checkpoint(store: RunStore, step: int, state: dict, keep: int, run_id:
         store.publish(staged, name)
     finally:
         staged.unlink(missing_ok=True)
-    write_manifest(store, step, (writer.bytes, writer.digest.hexdigest()), run_id, state.get("run"))
     if metrics is not None:
         store.publish_bytes(METRICS_FILE, metrics)
+    write_manifest(store, step, (writer.bytes, writer.digest.hexdigest()), run_id, state.get("run"))
     publish_pointer(store, step)
     remove_beyond_keep(store, keep, run_id, [*trusted, step], keep_every)
 
