@@ -37,7 +37,8 @@ class WarmLaunch:
     """`train/main.py *argv` forked from the warm server, as a Popen of torchrun has it: `stdout` (every rank's
     stdout and stderr, merged), `poll`, `wait`, `communicate` and `returncode` (0 when every rank exited 0, else
     the first failed rank's status). `ranks`: that many ranks with torchrun's variables on one node; None: one
-    process without them, as `python train/main.py`."""
+    process without them, as `python train/main.py`. No `pid`: a signal to one rank is not a signal to the launch,
+    and the launches that are signalled are torchrun's."""
 
     def __init__(self, ranks: int | None, argv: list[str], env: dict, cwd: Path):
         self.args = ["warm", str(TRAINER), *map(str, argv)]
@@ -58,7 +59,6 @@ class WarmLaunch:
         writer.close()
         self.stdout = reader.makefile("r", encoding="utf-8", errors="replace")
         reader.close()  # the file holds the socket open
-        self.pid = self.processes[0].pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -107,9 +107,11 @@ def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket) -> None:
     output.close()
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
-    numpy_choice = {key: os.environ[key] for key in (NUMPY_CHOICE,) if key in os.environ}  # made in the server
+    numpy_choice = os.environ.get(NUMPY_CHOICE)  # made by the server before it imported numpy
     os.environ.clear()
-    os.environ.update({**numpy_choice, **env})
+    os.environ.update(env)
+    if numpy_choice is not None:
+        os.environ.setdefault(NUMPY_CHOICE, numpy_choice)
     tempfile.tempdir = None  # found again from this environment's TMPDIR, not the server's
     os.chdir(cwd)
     if "OMP_NUM_THREADS" in env:  # read by the server when it imported torch, from its own environment
