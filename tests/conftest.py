@@ -1,10 +1,12 @@
 """Shared fixtures: real documents from ../shared/corpora and helpers to run the CLIs."""
 
+import functools
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,11 +23,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # a tiny run's CPU time was the kernel's (measured: 2 ranks x 16 steps, 10.5 s of system time -> 4.1 s).
 os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295")
 
-# Training runs that no signal reaches fork their ranks from a server that has imported torch once per test
-# process (tests/warm_ranks.py): set before anything here starts multiprocessing's forkserver.
-from warm_ranks import use_warm_ranks  # noqa: E402
+from warm_ranks import start_warm_server  # noqa: E402
 
-use_warm_ranks()
+
+def pytest_configure(config):
+    """Training runs that no signal reaches fork their ranks from a server that has imported torch once per test
+    process (tests/warm_ranks.py): started in each process that runs tests (not in pytest-xdist's controller),
+    before anything here starts multiprocessing's forkserver without it."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        start_warm_server()
 
 
 def pytest_collection_modifyitems(items):
@@ -62,6 +68,42 @@ def shakespeare_paragraphs() -> list[str]:
     """Tiny Shakespeare, one document per blank-line-separated speech."""
     text = (CORPORA / "tinyshakespeare.txt").read_text(encoding="utf-8")
     return [p.strip("\n") for p in text.split("\n\n") if p.strip()]
+
+
+# The training tests' vocabulary: a byte-level BPE of 2,048 ids trained on the plays, so that a step of the tiny GPT
+# costs a tenth of one with GPT-2's 50,257 ids, whose 50,304 rows of embedding and logits miss the caches
+# (bench/padded_vocab.py). Each dataset the training tests train on holds its ids, with the tokenizer.json
+# beside it, and test_training's BASE sets model.vocab_size to it. GPT-2's own tokenizer is what the converters'
+# tests and the README's demo run.
+TRAINING_VOCAB = 2048
+
+
+@functools.cache
+def _training_tokenizer_json() -> str:
+    """The tokenizer.json's text, trained once per process (the trainer is deterministic: the same bytes each time)."""
+    from tokstream.testing.bpe import train_bpe
+
+    parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # else every process forked from here later says it is disabled
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            path = train_bpe(Path(folder) / "tokenizer.json", shakespeare_paragraphs(), ["<|endoftext|>"],
+                             vocab_size=TRAINING_VOCAB)
+            return path.read_text()
+    finally:
+        if parallelism is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = parallelism
+
+
+def training_tokenizer(folder: Path):
+    """The training tests' tokenizer, its tokenizer.json written into `folder`."""
+    from tokstream.tokenizer import load_tokenizer
+
+    path = Path(folder) / "tokenizer.json"
+    path.write_text(_training_tokenizer_json())
+    return load_tokenizer(str(path))
 
 
 @pytest.fixture(scope="session")
@@ -237,15 +279,15 @@ def dataset(tmp_path_factory) -> Path:
 
 
 def plays(tmp: Path, shard_size: str) -> Path:
-    """The plays' paragraphs as a dataset of 64-token blocks (5 % val) in shards of `shard_size`, under `tmp`."""
+    """The plays' paragraphs as a dataset of 64-token blocks (5 % val) in shards of `shard_size`, under `tmp`, in the
+    training tests' vocabulary."""
     from tokstream.convert.options import ConversionOptions
     from tokstream.convert.sources import open_source
     from tokstream.convert.text_one_pass import convert_documents
-    from tokstream.tokenizer import load_tokenizer
 
     corpus = tmp / "plays.txt"
     corpus.write_text("\n\n".join(shakespeare_paragraphs()) + "\n")
-    convert_documents(open_source([str(corpus)], txt_docs="paragraph"), load_tokenizer("gpt2"), str(tmp / "ds"),
+    convert_documents(open_source([str(corpus)], txt_docs="paragraph"), training_tokenizer(tmp), str(tmp / "ds"),
                       ConversionOptions(block_size=64, val_fraction=0.05, shard_size=shard_size, progress=False))
     return tmp / "ds"
 

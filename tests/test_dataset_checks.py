@@ -28,8 +28,9 @@ def error_lines(output: str) -> list[str]:
 
 
 def refused(dataset: Path, tmp_path: Path, nproc: int = 2) -> list[str]:
-    """The error lines of a run that must fail, checked for a non-zero exit and no traceback of the trainer."""
-    process = training.launch(nproc, dataset, tmp_path / "run", warm=True)
+    """The error lines of a run that must fail (on GPT-2's vocabulary, as this file's datasets), checked for a
+    non-zero exit and no traceback of the trainer."""
+    process = training.launch(nproc, dataset, tmp_path / "run", "model.vocab_size=50304", warm=True)
     output, _ = process.communicate(timeout=180)
     assert process.returncode != 0, output[-3000:]
     assert NO_TRACEBACK not in output, output[-3000:]
@@ -44,8 +45,8 @@ def edit_json(path: Path, change) -> None:
 
 @pytest.fixture
 def data(tmp_path) -> Path:
-    """246 train samples in one shard, 16 val: the issue's numbers."""
-    return training.tiny_splits(tmp_path, 246, 16)
+    """246 train samples in one shard, 16 val: the issue's numbers, in GPT-2's vocabulary (the edges below are its)."""
+    return training.tiny_splits(tmp_path, 246, 16, gpt2=True)
 
 
 def test_metadata_counts_must_agree_with_the_index(data, tmp_path):
@@ -114,7 +115,7 @@ def test_an_id_past_the_vocabulary_in_a_later_shard_and_a_target_column_is_refus
     from tokstream.errors import DamagedData
     from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
 
-    data = training.tiny_splits(tmp_path, 600, 16, shard_size="16kb")
+    data = training.tiny_splits(tmp_path, 600, 16, shard_size="16kb", gpt2=True)
     index = json.loads((data / "train" / "index.json").read_text())
     assert len(index["shards"]) >= 5
     shard = data / "train" / index["shards"][2]["raw_data"]["basename"]

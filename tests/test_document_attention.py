@@ -152,7 +152,6 @@ def test_document_attention_resumes_exactly_after_sigterm_sigkill_and_on_another
     from test_phases import Output
     from test_training import launch, metrics, train
 
-    from tokstream.testing.processes import kill_tree
     from tokstream.train.checkpoint_files import latest_step
     from tokstream.train.run_store import LocalRunStore
 
@@ -161,14 +160,14 @@ def test_document_attention_resumes_exactly_after_sigterm_sigkill_and_on_another
     train(2, dataset, tmp_path / "reference", *common)
     reference = metrics(tmp_path / "reference")
     run_dir, store = tmp_path / "interrupted", LocalRunStore(str(tmp_path / "interrupted"))
-    first = Output(launch(2, dataset, run_dir, *common))
+    first = Output(launch(2, dataset, run_dir, *common, warm=True))
     first.wait_for(lambda text: len(metrics(run_dir)) >= 3)
     first.process.send_signal(signal.SIGTERM)
     assert "preempted (signal" in first.finish()
     stopped = latest_step(store)
-    killed = Output(launch(2, dataset, run_dir, *common))
+    killed = Output(launch(2, dataset, run_dir, *common, warm=True))
     killed.wait_for(lambda text: (latest_step(store) or 0) >= 8)
-    kill_tree(killed.process.pid)
+    killed.process.kill_tree()
     killed.finish()
     assert latest_step(store) == 8 and 3 <= stopped < 8
     last = Output(launch(1, dataset, run_dir, *common, "micro_batch_size=8", warm=True)).finish()

@@ -245,19 +245,23 @@ def test_a_cache_limit_larger_than_the_disk_is_capped_by_the_disk(small_shards, 
 
 @pytest.mark.long
 @SMALL_DISK
-def test_checkpoints_on_a_full_disk_fail_in_one_line_and_the_one_kept_resumes_exactly(reference, dataset, tmp_path):
+def test_checkpoints_on_a_full_disk_fail_in_one_line_and_the_one_kept_resumes_exactly(dataset, tmp_path):
     """run_dir on a disk with room for one checkpoint (40 MB) and not two: the periodic save at step 8
     warns and training goes on; the final one, at step 12, ends every rank with one line. The
     checkpoint LATEST names is whole: copied to a bigger disk, the run resumes from it and trains on
     the reference's samples to its step 16. On a disk without room for the write probe that sizes the
     preemption grace period (step 2), that is a warning too, and the probe leaves nothing behind."""
+    gpt2_rows = "model.vocab_size=50304"  # GPT-2's embedding: checkpoints of 38 MiB, as the sizes here are
+    training.train(2, dataset, tmp_path / "reference", gpt2_rows)
     disk = tmp_path / "disk"
     tiny = disk / "tiny"  # 8 MB, mounted on the disk: no room even for the 16 MiB write probe at step 2
     result = on_a_small_disk(disk, "60m", f"""
-        OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 {torchrun(dataset, disk / "run", "max_steps=12")} > {tmp_path}/full.log 2>&1
+        OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 {torchrun(dataset, disk / "run", "max_steps=12", gpt2_rows)} \
+            > {tmp_path}/full.log 2>&1
         echo $? > {tmp_path}/full.rc; cp -r {disk / "run"} {tmp_path}/run
         mkdir {tiny} && mount -t tmpfs -o size=8m tiny {tiny}
-        OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 {torchrun(dataset, tiny / "run", "max_steps=3")} > {tmp_path}/tiny.log 2>&1
+        OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 {torchrun(dataset, tiny / "run", "max_steps=3", gpt2_rows)} \
+            > {tmp_path}/tiny.log 2>&1
         echo $? > {tmp_path}/tiny.rc; echo "$(ls -A {tiny / "run"})" > {tmp_path}/tiny.txt""")
     assert result.returncode == 0, result.stderr
     tiny_run = (tmp_path / "tiny.log").read_text()
@@ -280,5 +284,5 @@ def test_checkpoints_on_a_full_disk_fail_in_one_line_and_the_one_kept_resumes_ex
     assert latest_step(LocalRunStore(run)) == 4
     assert sorted(p.name for p in run.iterdir()) == ["LATEST", "ckpt-00000004.manifest.json", "ckpt-00000004.pt",
                                                      "metrics.jsonl", "orders"]
-    training.train(2, dataset, run)  # to the reference's 16 steps (its LR schedule is fixed by decay_steps)
-    assert training.trained_steps(run) == reference
+    training.train(2, dataset, run, gpt2_rows)  # to the reference's 16 steps (its LR schedule is fixed by decay_steps)
+    assert training.trained_steps(run) == training.trained_steps(tmp_path / "reference")

@@ -94,12 +94,10 @@ def test_training_in_the_lazy_order_resumes_exactly_after_sigterm_sigkill_and_on
     SIGTERM after a checkpoint on 2 ranks, a relaunch on 1 rank SIGKILLed, and a last one on 2 ranks, against an
     uninterrupted 2-rank run: every step's global batch and learning rate, and the losses bitwise until the world
     size changes (float rounding after it)."""
-    import os
     import signal
 
     from test_training import finish, launch, metrics, train, wait_for
 
-    from tokstream.testing.processes import kill_tree
     from tokstream.train.checkpoint_files import latest_step
     from tokstream.train.run_store import LocalRunStore
 
@@ -108,14 +106,14 @@ def test_training_in_the_lazy_order_resumes_exactly_after_sigterm_sigkill_and_on
     reference = metrics(tmp_path / "reference")
     run_dir, store = tmp_path / "interrupted", LocalRunStore(str(tmp_path / "interrupted"))
 
-    first = launch(2, dataset, run_dir, *lazy)
+    first = launch(2, dataset, run_dir, *lazy, warm=True)
     wait_for(lambda: (latest_step(store) or 0) >= 4 and len(metrics(run_dir)) >= 5)
-    os.killpg(first.pid, signal.SIGTERM)
+    first.send_signal(signal.SIGTERM)
     first.communicate(timeout=120)
     stopped = latest_step(store)
-    second = launch(1, dataset, run_dir, *lazy)
+    second = launch(1, dataset, run_dir, *lazy, warm=True)
     wait_for(lambda: (latest_step(store) or 0) >= stopped + 4)
-    kill_tree(second.pid)
+    second.kill_tree()
     second.communicate(timeout=60)
     finish(launch(2, dataset, run_dir, *lazy, warm=True))
 

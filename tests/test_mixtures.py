@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from conftest import ROOT, SHARED
+from conftest import ROOT, SHARED, training_tokenizer
 from test_training import tiny_splits
 
 from tokstream.errors import UserError
@@ -72,7 +72,7 @@ def test_a_mixture_that_cannot_work_is_refused_in_one_line(overrides, message):
     assert message in refusal(check)
 
 
-@pytest.mark.parametrize("key, value", [("tokenizer_sha256", "0" * 64), ("vocab_size", 50000), ("separator_id", 0),
+@pytest.mark.parametrize("key, value", [("tokenizer_sha256", "0" * 64), ("vocab_size", 50000), ("separator_id", 1),
                                         ("separator_position", "before"), ("block_size", 32)])
 def test_sources_that_tokenize_differently_are_refused_naming_the_odd_one(tmp_path, key, value):
     from tokstream.reader import open_dataset
@@ -177,16 +177,16 @@ def test_a_relaunch_may_move_or_rename_a_source_but_not_reweigh_or_add_one():
 
 
 def test_the_example_config_mixes_two_real_corpora(dataset, tmp_path):
-    """configs/tiny-mixture.yaml, pointed at the training tests' plays and at WikiText-2 from ../shared."""
+    """configs/tiny-mixture.yaml, pointed at the training tests' plays and at WikiText-2 from ../shared (in the
+    plays' tokenizer: a mixture's sources share one)."""
     from tokstream.convert.options import ConversionOptions
     from tokstream.convert.sources import open_source
     from tokstream.convert.text_one_pass import convert_documents
     from tokstream.reader import open_dataset
-    from tokstream.tokenizer import load_tokenizer
 
     wiki = tmp_path / "wiki.txt"
     wiki.write_text((SHARED / "corpora" / "wikitext2_valid.txt").read_text()[:150_000])
-    convert_documents(open_source([str(wiki)], txt_docs="line"), load_tokenizer("gpt2"), str(tmp_path / "wiki"),
+    convert_documents(open_source([str(wiki)], txt_docs="line"), training_tokenizer(tmp_path), str(tmp_path / "wiki"),
                       ConversionOptions(block_size=64, val_fraction=0.05, progress=False))
     config = load_config(str(ROOT / "configs/tiny-mixture.yaml"), [f"data.streams.0.remote={dataset}",
                                                                    f"data.streams.1.remote={tmp_path / 'wiki'}"])

@@ -313,9 +313,9 @@ def test_a_run_started_before_auto_resumes_in_its_own_order_and_keeps_its_orders
     assert ahead.returncode == 0, ahead.stderr
     assert ahead.stdout.startswith("the data: epochs 0-1 of py1e in ") and sorted(epoch_files(run_dir / "orders")) == [0, 1]
     built = {name: os.stat(run_dir / "orders" / name).st_ino for name in os.listdir(run_dir / "orders")}
-    first = launch(1, dataset, run_dir, "data.shuffle_algo=py1e", *threshold)
+    first = launch(1, dataset, run_dir, "data.shuffle_algo=py1e", *threshold, warm=True)
     wait_for(lambda: (latest_step(store) or 0) >= 4 and len(metrics(run_dir)) >= 5)
-    os.killpg(first.pid, signal.SIGTERM)
+    first.send_signal(signal.SIGTERM)
     first.communicate(timeout=120)
     finish(launch(1, dataset, run_dir, *threshold, warm=True))
     assert [(m["step"], m["samples"], m["loss"]) for m in metrics(run_dir)] == \

@@ -17,14 +17,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SHARED, Node
+from conftest import ROOT, SHARED, TRAINING_VOCAB, Node, training_tokenizer
 
 from tokstream.errors import UserError
 from warm_ranks import WarmLaunch
 from tokstream.train.metrics import read_records
 
 STEPS = 16
-BASE = ["configs/tiny.yaml", f"max_steps={STEPS}", f"optim.decay_steps={STEPS}", "checkpoint_interval=4", "eval_interval=8",
+BASE = ["configs/tiny.yaml", f"model.vocab_size={TRAINING_VOCAB}", f"max_steps={STEPS}", f"optim.decay_steps={STEPS}", "checkpoint_interval=4", "eval_interval=8",
         "trace_samples=true", "log_interval=100"]
 
 
@@ -173,8 +173,9 @@ def test_start_removes_only_unmapped_blocks_of_its_own_dataset(dataset, tmp_path
 
 
 def tiny_splits(root: Path, train_samples: int, val_samples: int, seed: int = 0, block_size: int = 64,
-                shard_size: str = "64mb") -> Path:
-    """A dataset with exactly these sample counts (block 64 unless said), from token files; another seed, other
+                shard_size: str = "64mb", gpt2: bool = False) -> Path:
+    """A dataset with exactly these sample counts (block 64 unless said), from token files, in the training tests'
+    vocabulary (gpt2: GPT-2's, ids below its separator 50,256); no separator: one document. Another seed, other
     tokens."""
     import numpy as np
 
@@ -183,12 +184,14 @@ def tiny_splits(root: Path, train_samples: int, val_samples: int, seed: int = 0,
     from tokstream.convert.token_files import open_token_file
     from tokstream.tokenizer import load_tokenizer
 
+    tokenizer = load_tokenizer("gpt2") if gpt2 else training_tokenizer(root)
+    first, ids = (0, 50256) if gpt2 else (1, TRAINING_VOCAB - 1)  # the training vocabulary's separator is 0
     files = {}
     for split, samples in (("train", train_samples), ("val", val_samples)):
         path = root / f"{split}.bin"
-        ((np.arange(samples * block_size + 1) * 7919 + seed * 104729) % 50256).astype("<u2").tofile(path)
+        (first + (np.arange(samples * block_size + 1) * 7919 + seed * 104729) % ids).astype("<u2").tofile(path)
         files[split] = [open_token_file(path)]
-    convert_token_files(files, str(root / "ds"), Vocabulary.of(load_tokenizer("gpt2")),
+    convert_token_files(files, str(root / "ds"), Vocabulary.of(tokenizer),
                         ConversionOptions(block_size=block_size, progress=False, shard_size=shard_size))
     return root / "ds"
 

@@ -1,17 +1,18 @@
-"""train/main.py's ranks forked from a warm process, for the training tests that are not about processes.
+"""train/main.py's ranks forked from a warm process, for the training tests that are not about torchrun.
 
 A torchrun launch of the tiny config on 2 CPU ranks spends most of its CPU on imports before its first step:
 torch in the agent and in each rank (about 4 s each on the 2-core test machine), torch._dynamo in each rank (about
 3 s more: every torch.optim optimizer imports it). Here multiprocessing's forkserver imports all of it once per test
-process (`tests/warm_rank_preload.py`, set as its preload by tests/conftest.py before anything starts the
-server), and each rank is a fork of that server: a real process, with the variables torchrun gives a rank, running
-train/main.py as `__main__`, with the stdout and stderr of every rank merged in one stream, as torchrun's agent has them.
+process (`tests/warm_rank_preload.py`, its preload; tests/conftest.py starts it before anything else can), and each
+rank is a fork of that server: a real process, with the variables torchrun gives a rank, running train/main.py as
+`__main__`, with the stdout and stderr of every rank merged in one stream, as torchrun's agent has them. A signal
+sent to the launch goes to every rank, as torchrun's agent forwards it; a kill takes every rank's tree.
 
-Not here is torchrun's agent: it forwards no signal, restarts nothing, hosts no store, and a rank does not watch it.
-The tests of those, and of every signal or death sent to a launch, several nodes and Slurm, launch torchrun itself.
-"""
+Not here is torchrun's agent: it restarts nothing, hosts no store, and a rank does not watch it. The tests of
+those, of the agent's own forwarding and death, several nodes and Slurm launch torchrun itself."""
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import runpy
 import socket
@@ -25,20 +26,32 @@ from pathlib import Path
 from tokstream.train.cpu_dispatch import VARIABLE as NUMPY_CHOICE
 
 PRELOAD = "warm_rank_preload"
-TRAINER = Path(__file__).resolve().parents[1] / "train" / "main.py"
+TESTS = Path(__file__).resolve().parent
+TRAINER = TESTS.parent / "train" / "main.py"
 
 
-def use_warm_ranks() -> None:
-    """Make the forkserver import what a rank imports; called before anything starts the server."""
+def start_warm_server() -> None:
+    """Start multiprocessing's forkserver now, importing what a rank imports (`PRELOAD`), before anything else
+    in this process starts it without. Its preload is imported by name, and the server of Python 3.11-3.13
+    ignores the sys.path it is handed: the tests' folder reaches it through PYTHONPATH, for its start alone."""
     multiprocessing.set_forkserver_preload([PRELOAD])
+    given = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), given]))
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if given is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = given
 
 
 class WarmLaunch:
     """`train/main.py *argv` forked from the warm server, as a Popen of torchrun has it: `stdout` (every rank's
     stdout and stderr, merged), `poll`, `wait`, `communicate` and `returncode` (0 when every rank exited 0, else
-    the first failed rank's status). `ranks`: that many ranks with torchrun's variables on one node; None: one
-    process without them, as `python train/main.py`. No `pid`: a signal to one rank is not a signal to the launch,
-    and the launches that are signalled are torchrun's."""
+    the first failed rank's status), `send_signal` (to every rank, as torchrun's agent forwards it) and
+    `kill_tree` (a node lost). `ranks`: that many ranks with torchrun's variables on one node; None: one process
+    without them, as `python train/main.py`. No `pid`: a signal to one rank is not a signal to the launch."""
 
     def __init__(self, ranks: int | None, argv: list[str], env: dict, cwd: Path):
         self.args = ["warm", str(TRAINER), *map(str, argv)]
@@ -88,6 +101,19 @@ class WarmLaunch:
             raise
         return output[0], None
 
+    def send_signal(self, signum: int) -> None:
+        """`signum` to every rank still running: what torchrun's agent does with the SIGTERM it is sent (that it
+        does is tested through torchrun itself: test_training.py, test_nothing_lost.py, the demo)."""
+        for process in self.processes:
+            if process.exitcode is None:
+                os.kill(process.pid, signum)
+
+    def kill_tree(self) -> None:
+        """Every rank and every process it started, stopped then SIGKILLed at once: a node lost."""
+        from tokstream.testing.processes import kill_tree
+
+        kill_tree(*(process.pid for process in self.processes if process.exitcode is None))
+
     def kill(self) -> None:
         """Every rank still running, killed (a test that failed or timed out leaves none behind)."""
         for process in self.processes:
@@ -100,6 +126,8 @@ class WarmLaunch:
 
 def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket) -> None:
     """In the fork: the rank's environment, output and threads as torchrun's would be, then train/main.py."""
+    if PRELOAD not in sys.modules:  # a server started before start_warm_server(): the rank would import it all
+        raise RuntimeError(f"the warm server did not import {PRELOAD}: start_warm_server() must start it")
     import torch
 
     os.dup2(output.fileno(), 1)
@@ -113,6 +141,7 @@ def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket) -> None:
     if numpy_choice is not None:
         os.environ.setdefault(NUMPY_CHOICE, numpy_choice)
     tempfile.tempdir = None  # found again from this environment's TMPDIR, not the server's
+    sys.path[:] = [entry for entry in sys.path if entry != str(TESTS)]  # the server's PYTHONPATH, not a rank's
     os.chdir(cwd)
     if "OMP_NUM_THREADS" in env:  # read by the server when it imported torch, from its own environment
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))

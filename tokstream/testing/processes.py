@@ -30,14 +30,14 @@ def descendants(root: int) -> list[int]:
     return tree
 
 
-def kill_tree(root: int) -> None:
-    """SIGKILL a process and all its descendants at once, as node loss or a cgroup kill does.
+def kill_tree(*roots: int) -> None:
+    """SIGKILL processes and all their descendants at once, as node loss or a cgroup kill does.
 
     torchrun starts each rank in its own session, so killing torchrun's process group would
     leave the ranks running; and each rank's multiprocessing resource tracker would unlink the
     rank's shared memory if it outlived the rank. Everything is stopped first, so nothing reacts.
     """
-    tree = [root, *descendants(root)]
+    tree = [pid for root in roots for pid in (root, *descendants(root))]
     for signum in (signal.SIGSTOP, signal.SIGKILL):
         for pid in tree:
             try:
