@@ -21,10 +21,12 @@ def main(dataset: str, checkpoint: str, steps: int) -> None:
     world, device = dist.get_world_size(), torch.device("cpu")
     notices = []
     signal.signal(signal.SIGTERM, lambda *_: notices.append(1))
+    data = open_dataset(DataConfig(remote=dataset))
+    vocab_size = data.metadata[0].vocab_size  # the dataset's tokenizer's (GPT-2's: 50,257)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(50304, 32), torch.nn.Linear(32, 50304))
+    model = torch.nn.Sequential(torch.nn.Embedding(vocab_size, 32), torch.nn.Linear(32, vocab_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batches = TrainBatches(open_dataset(DataConfig(remote=dataset)), BatchPlan(GLOBAL_BATCH, GLOBAL_BATCH // world, world))
+    batches = TrainBatches(data, BatchPlan(GLOBAL_BATCH, GLOBAL_BATCH // world, world))
     step = 0
     if os.path.exists(checkpoint):
         state = torch.load(checkpoint)
