@@ -141,7 +141,6 @@ def test_the_reader_gives_each_micro_batch_its_documents_from_the_datasets_separ
         TrainBatches(opened, BatchPlan(8, 4, 1), max_documents=0)
 
 
-@pytest.mark.long
 def test_document_attention_resumes_exactly_after_sigterm_sigkill_and_on_another_world_size(dataset, tmp_path):
     """Against an uninterrupted run (2 ranks x 4, document attention and positions, in the lazy order, which
     `auto` gives datasets from 2^24 samples): SIGTERM part way, SIGKILL just after a checkpoint, then 1 rank to the

@@ -88,7 +88,6 @@ def test_one_rank_reads_the_epochs_lazy_order_itself_not_stocks_resampling(mixtu
     batches.close()
 
 
-@pytest.mark.long
 def test_training_in_the_lazy_order_resumes_exactly_after_sigterm_sigkill_and_on_another_world_size(dataset, tmp_path):
     """Through torchrun, on the plays (several shards, an epoch cut to whole steps, so the lazy resampling draws):
     SIGTERM after a checkpoint on 2 ranks, a relaunch on 1 rank SIGKILLed, and a last one on 2 ranks, against an

@@ -290,7 +290,6 @@ def test_the_ledger_checks_its_answer_against_what_the_run_recorded_reading(run,
     assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("error: step 7: metrics.jsonl")
 
 
-@pytest.mark.long
 def test_a_run_from_before_the_lazy_order_changed_is_answered_in_the_order_it_read(datasets, tmp_path):
     """Before issue 51, `auto` read data past data.lazy_order_from in feistel_window, and a run's recorded config did
     not say data.shuffle_auto_lazy. Such a run (trained here as `auto` then was, its manifests' config stripped of the

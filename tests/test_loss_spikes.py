@@ -21,7 +21,6 @@ def samples(record: dict) -> list[int]:
     return sorted(sum(record["samples"], []))
 
 
-@pytest.mark.long
 def test_skipped_steps_data_is_left_out_exactly_through_a_preemption_and_another_world_size(dataset, reference,
                                                                                           tmp_path):
     """skip_steps [[6, 8]]: step 6 reads what step 9 would have, and every later step what it would three steps on
@@ -73,7 +72,6 @@ def digests(folder) -> dict[str, str]:
             if path.is_file() and (path.name.startswith("ckpt-") or path.name == "metrics.jsonl")}
 
 
-@pytest.mark.long
 def test_a_rewind_with_a_skip_trains_as_a_run_that_always_skipped_and_keeps_the_abandoned_branch(dataset, tmp_path):
     """Trained to step 16 (a checkpoint every 4, all kept), relaunched with resume_from=8 skip_steps=[[9,11]]: the
     checkpoints after 8 and metrics.jsonl as it was are moved to abandoned/, byte for byte. The branch, SIGTERMed after
@@ -173,7 +171,6 @@ def check_dashboards(run_dir, branch_metrics: list[dict], stopped: int) -> None:
     assert [(h["_step"], h["loss"]) for h in logged] == [(m["step"], m["loss"]) for m in branch_metrics]
 
 
-@pytest.mark.long
 def test_the_guard_skips_spikes_updates_and_resumes_exactly(dataset, tmp_path):
     """guard.zscore 0.3 over 16 steps (low, so that spikes come): each spike's line says its update was skipped; a run
     SIGTERMed after step 20 and relaunched judges every step as the uninterrupted run did (its window is in the
@@ -197,7 +194,6 @@ def test_the_guard_skips_spikes_updates_and_resumes_exactly(dataset, tmp_path):
     # guard.action stop and rewind, and the advice pasted: test_the_guard_rewinds_by_itself_as_the_pasted_advice_would.
 
 
-@pytest.mark.long
 def test_the_guard_rewinds_by_itself_as_the_pasted_advice_would_also_through_a_sigterm_during_the_rewind(
         dataset, tmp_path):
     """guard.action rewind on 2 ranks: at the spike, back to the checkpoint the advice names, the spike's data left
@@ -289,7 +285,6 @@ def test_a_dashboard_whose_package_is_missing_or_whose_settings_are_wrong_is_ref
     assert other_rank.tensorboard is None and not (tmp_path / "tb").exists()  # every other rank writes nothing
 
 
-@pytest.mark.long
 def test_dashboards_turned_off_for_a_branch_hold_no_step_of_another_when_turned_on_again(dataset, tmp_path):
     """Trained to 12 with TensorBoard and W&B; rewound to 4 and trained to 12 again with both off; then both on again
     to step 16. TensorBoard shows steps 1-4 and 13-16, each once, with this branch's losses (5-12 of the first branch

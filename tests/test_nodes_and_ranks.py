@@ -121,6 +121,7 @@ SEVERAL_NODES = pytest.mark.skipif(not namespaces_permitted(), reason="namespace
                                    "--ipc --mount failed): several nodes on one machine need root or user namespaces")
 
 
+@pytest.mark.long
 @SEVERAL_NODES
 def test_two_nodes_of_two_ranks_compute_the_order_once_per_node_and_read_streamings_partition(dataset, stock,
                                                                                              tmp_path):

@@ -21,7 +21,6 @@ from tokstream.train.run_store import LocalRunStore, S3RunStore
 FAST_LEASE = "lease_interval_s=0.5"  # a launch watches a lease for 3 beats before it takes it over
 
 
-@pytest.mark.long
 def test_an_s3_run_without_latest_and_a_corrupt_newest_checkpoint_resumes_exactly_from_the_one_before(
         reference, plays_on_s3, s3, tmp_path):
     """Checkpoints 4, 8 and 12 in S3; LATEST removed (a copy to a new prefix without it) and 64 bytes of
@@ -77,7 +76,6 @@ def test_a_second_job_on_a_live_run_refuses_in_one_line_and_the_live_job_goes_on
     assert "LEASE" not in store.names()  # given back on the way out
 
 
-@pytest.mark.long
 def test_ranks_exit_when_torchruns_agent_is_killed_and_the_relaunch_resumes_at_once(reference, dataset, tmp_path):
     """kill -9 of torchrun's process group (the agent only: each rank has a session of its own): the
     ranks exit within seconds, writing nothing more; the relaunch finds their lease's holder gone from

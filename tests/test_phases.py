@@ -604,7 +604,6 @@ def test_a_phase_whose_tokens_mean_other_things_or_whose_data_is_too_small_is_re
         "phases.2 started at step 10, but this launch moves its start_step to 12, after the checkpoint's step 12; ")
 
 
-@pytest.mark.long
 def test_a_later_phases_data_replaced_mid_run_stops_the_run_at_its_boundary_and_the_relaunch_reads_it(tmp_path):
     """The README lets a phase that has not started be edited, so its data may be converted again while the run
     trains an earlier phase. The run opened it at start-up; at the boundary it is opened again, found changed, and
@@ -724,7 +723,6 @@ def test_a_phase_a_done_skip_read_into_is_started_and_keeps_its_recipe(data):
     assert check_relaunch(saved, phased(data, "skip_steps=[[5,7]]", "phases.2.global_batch_size=16"), 5)
 
 
-@pytest.mark.long
 def test_data_a_trained_phase_read_changed_under_a_later_phase_stops_the_run_saying_to_put_it_back(tmp_path):
     """Phases a, b, then a again: a is converted again while b trains. At the boundary the run stops in one line
     that says the data must be put back (phases.0 trained on it, so a relaunch would be refused, and is); put back,

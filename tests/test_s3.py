@@ -462,7 +462,6 @@ def test_plotting_a_run_without_metrics_is_one_line_not_a_blank_plot(proxy, tmp_
         assert not (tmp_path / "loss.png").exists()
 
 
-@pytest.mark.long
 def test_a_run_in_s3_rewinds_keeping_the_abandoned_branch_byte_for_byte(proxy, dataset, tmp_path):
     """resume_from on an S3 run_dir: the checkpoints after the step, with metrics.jsonl and LATEST as they were, are
     copied under abandoned/ byte for byte and then deleted where they were; the branch trains as a run that had

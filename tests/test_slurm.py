@@ -30,7 +30,6 @@ def job_env(**extra: str) -> dict:
             "PYTHONUNBUFFERED": "1", **extra}
 
 
-@pytest.mark.long
 def test_a_conversion_array_with_a_cancelled_part_submitted_again_merges_to_the_one_pass_bytes(slurm, tmp_path):
     corpus_files(tmp_path)
     one = run_script("convert/text_to_mds.py", tmp_path / "corpus", "--out", tmp_path / "single", *ARGS)
@@ -181,7 +180,6 @@ def test_a_preempted_job_is_requeued_by_slurm_and_resumes_exactly(slurm, referen
     assert trained_steps(run) == reference
 
 
-@pytest.mark.long
 def test_a_job_killed_hard_and_submitted_again_resumes_from_its_last_checkpoint(slurm, reference, dataset, tmp_path):
     run, log = tmp_path / "run", tmp_path / "job.out"
     job = submit_training(slurm, dataset, run, log)

@@ -285,7 +285,6 @@ def test_a_preemption_notice_ends_every_rank_with_status_75(dataset, tmp_path):
     assert metrics(tmp_path)[stopped]["relaunch"] == {"from_step": stopped, "after": "preemption"}
 
 
-@pytest.mark.long
 def test_dataloader_workers_ignore_preemption_signals_and_the_run_goes_on_exactly(reference, dataset, tmp_path):
     """SIGTERM and SIGUSR1 reach every process of a job in a cgroup or process-group kill: the rank
     reacts (it checkpoints), its DataLoader workers must not (a killed worker would fail the rank's
