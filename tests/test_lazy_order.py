@@ -109,6 +109,7 @@ def test_training_in_the_lazy_order_resumes_exactly_after_sigterm_sigkill_and_on
     wait_for(lambda: (latest_step(store) or 0) >= 4 and len(metrics(run_dir)) >= 5)
     first.send_signal(signal.SIGTERM)
     first.communicate(timeout=120)
+    assert first.returncode == 75  # preempted, not ended
     stopped = latest_step(store)
     second = launch(1, dataset, run_dir, *lazy, warm=True)
     wait_for(lambda: (latest_step(store) or 0) >= stopped + 4)

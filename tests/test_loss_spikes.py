@@ -39,10 +39,12 @@ def test_skipped_steps_data_is_left_out_exactly_through_a_preemption_and_another
     assert reference[5]["skipped"] == {"steps": [6, 8], "samples_left_out": 3 * 8}  # unread: the stream moved on
 
     run_dir, store = tmp_path / "interrupted", LocalRunStore(str(tmp_path / "interrupted"))
-    first = launch(2, dataset, run_dir, SKIP, warm=True)
+    # the whole val split evaluated at step 10: seconds for the notice to land in before the run ends
+    first = launch(2, dataset, run_dir, SKIP, "eval_interval=10", "eval_batches=100000", warm=True)
     wait_for(lambda: (latest_step(store) or 0) >= 8 and len(metrics(run_dir)) >= 9)
     first.send_signal(signal.SIGTERM)
     first.communicate(timeout=120)
+    assert first.returncode == 75  # preempted, not ended
     stopped = latest_step(store)
     refused = launch(1, dataset, run_dir, "skip_steps=[[3,4],[6,8]]", warm=True)
     output = refused.communicate(timeout=120)[0]

@@ -317,6 +317,7 @@ def test_a_run_started_before_auto_resumes_in_its_own_order_and_keeps_its_orders
     wait_for(lambda: (latest_step(store) or 0) >= 4 and len(metrics(run_dir)) >= 5)
     first.send_signal(signal.SIGTERM)
     first.communicate(timeout=120)
+    assert first.returncode == 75  # preempted, not ended
     finish(launch(1, dataset, run_dir, *threshold, warm=True))
     assert [(m["step"], m["samples"], m["loss"]) for m in metrics(run_dir)] == \
         [(m["step"], m["samples"], m["loss"]) for m in metrics(tmp_path / "reference")]

@@ -342,7 +342,7 @@ def test_an_interruption_at_every_kind_of_boundary_resumes_exactly(tmp_path):
 
     at_step(relaunch(2, 2, "eval_interval=4"), 4)  # the last step of phases.0
     at_step(relaunch(2, 2, "eval_interval=5"), 5)  # the first of phases.1, resumed at its boundary
-    killed = relaunch(2, 2)
+    killed = relaunch(2, 2, "eval_interval=9")  # a long evaluation at step 9: room to kill before checkpoint 12
     killed.wait_for(lambda text: (latest_step(store) or 0) >= 8)  # the checkpoint before phases.2's new data
     killed.process.kill_tree()
     killed.finish()
@@ -350,8 +350,8 @@ def test_an_interruption_at_every_kind_of_boundary_resumes_exactly(tmp_path):
     resumed = relaunch(2, 2, "eval_interval=12", "data.num_workers=2")
     at_step(resumed, 12)  # the last step before the mixture
     assert "phases.2 from step 8: global batch 8 (accumulation 2), block 128" in resumed.text
-    for change in ("eval_interval changed from 0 to 12", "data.num_workers changed from 0 to 2"):
-        assert f"relaunch: {change}\n" in resumed.text  # every accepted change is said
+    for change in ("eval_interval changed from 9 to 12", "data.num_workers changed from 0 to 2"):
+        assert f"relaunch: {change}\n" in resumed.text  # every accepted change is said (9: the killed launch's)
     other_world = relaunch(1, 4)
     other_world.wait_for(lambda text: len(metrics(run_dir)) >= 13)
     other_world.process.send_signal(signal.SIGTERM)

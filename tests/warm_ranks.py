@@ -103,10 +103,14 @@ class WarmLaunch:
 
     def send_signal(self, signum: int) -> None:
         """`signum` to every rank still running: what torchrun's agent does with the SIGTERM it is sent (that it
-        does is tested through torchrun itself: test_training.py, test_nothing_lost.py, the demo)."""
+        does is tested through torchrun itself: test_interruptions.py's "SIGTERM to torchrun", test_nothing_lost.py,
+        the demo)."""
         for process in self.processes:
             if process.exitcode is None:
-                os.kill(process.pid, signum)
+                try:
+                    os.kill(process.pid, signum)
+                except ProcessLookupError:  # ended, not yet reaped by the server: its status says how
+                    pass
 
     def kill_tree(self) -> None:
         """Every rank and every process it started, stopped then SIGKILLed at once: a node lost."""
@@ -141,7 +145,7 @@ def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket) -> None:
     if numpy_choice is not None:
         os.environ.setdefault(NUMPY_CHOICE, numpy_choice)
     tempfile.tempdir = None  # found again from this environment's TMPDIR, not the server's
-    sys.path[:] = [entry for entry in sys.path if entry != str(TESTS)]  # the server's PYTHONPATH, not a rank's
+    sys.path[:] = [entry for entry in sys.path if entry != str(TESTS)]  # the test process's (pytest's): not a rank's
     os.chdir(cwd)
     if "OMP_NUM_THREADS" in env:  # read by the server when it imported torch, from its own environment
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
