@@ -163,6 +163,9 @@ def test_a_random_interruption_schedule_resumes_exactly(proxy, tmp_path):
                          "preempt_grace_s=0.01"]  # and a grace period no save fits in
         if kind == "SIGKILL during a checkpoint upload":
             proxy.hold("PUT", f"/ckpt-{at:08d}.pt", seconds=120)
+        if kind == "SIGKILL after an epoch-end checkpoint":  # steps take milliseconds: a kill that lands late must
+            # not leave the next epoch end's file behind (a later "during an upload" checks that none is there)
+            proxy.hold("PUT", f"/ckpt-{at + EPOCH_STEPS:08d}.pt", seconds=120)
         left_behind = inode(machine / "run" / METRICS_FILE)  # the killed launch's local metrics, if any
         process = launch(ranks, None, run_dir, *data, *COMMON, *on_machine(machine), *settings)
         if kind == "SIGKILL after an epoch-end checkpoint":
