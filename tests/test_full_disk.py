@@ -248,11 +248,11 @@ def test_a_cache_limit_larger_than_the_disk_is_capped_by_the_disk(small_shards, 
 def test_checkpoints_on_a_full_disk_fail_in_one_line_and_the_one_kept_resumes_exactly(dataset, tmp_path):
     """run_dir on a disk with room for one checkpoint (40 MB) and not two: the periodic save at step 8
     warns and training goes on; the final one, at step 12, ends every rank with one line. The
-    checkpoint LATEST names is whole: copied to a bigger disk, the run resumes from it and trains on
-    the reference's samples to its step 16. On a disk without room for the write probe that sizes the
+    checkpoint LATEST names is whole: copied to a bigger disk, the same command resumes from it and trains on
+    the reference's samples to step 12. On a disk without room for the write probe that sizes the
     preemption grace period (step 2), that is a warning too, and the probe leaves nothing behind."""
     gpt2_rows = "model.vocab_size=50304"  # GPT-2's embedding: checkpoints of 38 MiB, as the sizes here are
-    training.train(2, dataset, tmp_path / "reference", gpt2_rows)
+    training.train(2, dataset, tmp_path / "reference", gpt2_rows, "max_steps=12")
     disk = tmp_path / "disk"
     tiny = disk / "tiny"  # 8 MB, mounted on the disk: no room even for the 16 MiB write probe at step 2
     result = on_a_small_disk(disk, "60m", f"""
@@ -284,5 +284,5 @@ def test_checkpoints_on_a_full_disk_fail_in_one_line_and_the_one_kept_resumes_ex
     assert latest_step(LocalRunStore(run)) == 4
     assert sorted(p.name for p in run.iterdir()) == ["LATEST", "ckpt-00000004.manifest.json", "ckpt-00000004.pt",
                                                      "metrics.jsonl", "orders"]
-    training.train(2, dataset, run, gpt2_rows)  # to the reference's 16 steps (its LR schedule is fixed by decay_steps)
+    training.train(2, dataset, run, gpt2_rows, "max_steps=12")  # the disk run's command, on a bigger disk
     assert training.trained_steps(run) == training.trained_steps(tmp_path / "reference")

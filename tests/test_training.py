@@ -317,7 +317,8 @@ def test_dataloader_workers_ignore_preemption_signals_and_the_run_goes_on_exactl
 def test_each_step_logs_its_gradient_norm_before_clipping_and_its_share_of_waiting_for_data(dataset, tmp_path, clip):
     """The norm a spike shows first, before clipping scales it down (clipped: whether it was); 0 turns clipping off
     and the norm is still logged. The console line shows both and the share of the step spent waiting for data."""
-    done = WarmLaunch(None, ["configs/tiny.yaml", "max_steps=3", "global_batch_size=8", "micro_batch_size=4",
+    done = WarmLaunch(None, ["configs/tiny.yaml", f"model.vocab_size={TRAINING_VOCAB}", "max_steps=3",
+                             "global_batch_size=8", "micro_batch_size=4",
                              f"optim.grad_clip={clip}", "log_interval=1", "eval_interval=0", f"data.remote={dataset}",
                              f"run_dir={tmp_path / 'run'}"], dict(os.environ), ROOT)  # one process, as python runs it
     said = done.communicate(timeout=300)[0]

@@ -29,7 +29,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import xxhash
 
 from tokstream.train.metrics import METRICS_FILE
@@ -179,6 +178,8 @@ def write_checkpoint(store: RunStore, step: int, state: dict, keep: int, run_id:
     steps (the writer's own saves and the one it resumed from, verified) and `step`. Raises what a write raised.
     The metrics before the manifest: the manifest makes the checkpoint one a relaunch resumes from, with the
     store's metrics as they are then (a copy newer than the checkpoint is cut back to its step)."""
+    import torch  # here: what reads a run without writing it (train/plot.py, the ledger's survey) skips its 1.3 s
+
     name = checkpoint_name(step)
     staged = staging_path(store, name)
     try:
