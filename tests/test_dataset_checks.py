@@ -162,6 +162,12 @@ def test_bad_yaml_in_a_config_file_or_an_override_is_one_line(tmp_path):
     assert (result.returncode, result.stderr) == (2, f"error: config file {config} holds a list, not keys and "
                                                      "values (see configs/)\n")
 
+    # Said before torch is imported: a mistake costs no start-up (3 CPU s there).
+    traced = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "train/main.py"), "configs/tiny.yaml",
+                             "max_steps=["], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert traced.returncode == 2 and "| tokstream.train.config" in traced.stderr, traced.stderr[-2000:]
+    assert not re.search(r"\|\s+torch$", traced.stderr, re.MULTILINE), "torch imported before the config was read"
+
 
 @pytest.mark.parametrize("override,message", [
     ("data.cache_limit=2024-01-01", "data.cache_limit must be text, a number or true/false, got "

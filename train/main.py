@@ -28,10 +28,12 @@ def main() -> int:
         print(__doc__)
         sys.exit(0 if len(sys.argv) > 1 else 2)
     from tokstream.train.config import load_config
+
+    config = load_config(sys.argv[1], sys.argv[2:])  # a mistake in it is said before torch's seconds of imports
     from tokstream.train.process_exit import exit_without_teardown
     from tokstream.train.trainer import run_job
 
-    exit_without_teardown(run_job(load_config(sys.argv[1], sys.argv[2:])))
+    exit_without_teardown(run_job(config))
 
 
 if __name__ == "__main__":
