@@ -111,7 +111,8 @@ def test_training_in_the_lazy_order_resumes_exactly_after_sigterm_sigkill_and_on
     first.communicate(timeout=120)
     assert first.returncode == 75  # preempted, not ended
     stopped = latest_step(store)
-    second = launch(1, dataset, run_dir, *lazy, warm=True)
+    assert stopped <= 12, f"the SIGTERM landed at step {stopped}: too late to leave the relaunch steps to be killed in"
+    second = launch(1, dataset, run_dir, *lazy, "checkpoint_interval=1", warm=True)
     wait_for(lambda: (latest_step(store) or 0) > stopped)  # its first checkpoint: steps to spare before its end
     second.kill_tree()
     second.communicate(timeout=60)

@@ -80,10 +80,12 @@ class FaultProxy:
 
             def _handle(self):
                 began = time.monotonic()
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 with proxy.lock:
                     proxy.requests.append((self.command, self.path))
+                # Decided on the headers: a body read after the test cleared the faults (its sender killed by then)
+                # is still held, never stored.
                 fault = proxy._take_fault(self.command, self.path)
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if fault is not None and fault.hold_s:
                     proxy.holding.set()
                     time.sleep(fault.hold_s)
