@@ -186,6 +186,13 @@ def wait_for_nodes(nodes: list[Node], condition, timeout: float = 180) -> None:
         time.sleep(0.05)
 
 
+def modules_imported(script: str, *args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """One of the project's CLIs run under `python -X importtime`: its result, and every module it imported."""
+    done = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / script), *map(str, args)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return done, set(re.findall(r"^import time:.*\|\s*(\S+)$", done.stderr, re.MULTILINE))
+
+
 def run_script(script: str, *args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     """Run one of the project's CLIs as a user would."""
     return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True,

@@ -3,12 +3,10 @@
 import ast
 import importlib.util
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, modules_imported
 
 DOOR = ROOT / "tokstream/reader/streaming_door"
 FENCE = DOOR / "streaming_internals.py"
@@ -256,7 +254,6 @@ def test_the_plot_reads_a_run_without_importing_torch():
     """train/plot.py runs where people look at runs (a login node, a laptop): what it imports imports no torch (1.3
     of its 3 CPU s when one did: the checkpoint writer's). Its imports are all at its top, before it reads its
     arguments."""
-    traced = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "train/plot.py"), "--help"],
-                            capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert traced.returncode == 0 and "| tokstream.train.rewind" in traced.stderr, traced.stderr[-2000:]
-    assert not re.search(r"\|\s+torch$", traced.stderr, re.MULTILINE), "train/plot.py imports torch"
+    traced, imported = modules_imported("train/plot.py", "--help")
+    assert traced.returncode == 0 and "tokstream.train.rewind" in imported, traced.stderr[-2000:]
+    assert "torch" not in imported, "train/plot.py imports torch"

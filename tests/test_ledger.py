@@ -68,7 +68,8 @@ def json_lines(done: subprocess.CompletedProcess) -> list[dict]:
 def train(run_dir: Path, data: Path, steps: int, *extra: str) -> None:
     """configs/tiny.yaml on one process (warm: no signal reaches it) over `data`, 8 samples a step, traced, to `steps` (a relaunch goes on)."""
     done = WarmLaunch(None, ["configs/tiny.yaml", f"model.vocab_size={TRAINING_VOCAB}", f"max_steps={steps}",
-                             "optim.decay_steps=10", "checkpoint_interval=5", "eval_interval=0", "trace_samples=true", "global_batch_size=8", "micro_batch_size=4",
+                             "optim.decay_steps=10", "checkpoint_interval=5", "eval_interval=0", "trace_samples=true",
+                             "global_batch_size=8", "micro_batch_size=4",
                              f"data.remote={data}", f"run_dir={run_dir}", *extra], dict(os.environ), ROOT)
     output, _ = done.communicate(timeout=300)
     assert done.returncode == 0, output[-4000:]
