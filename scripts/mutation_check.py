@@ -395,6 +395,10 @@ MUTATIONS = [
              "tokstream/reader/token_loader.py",
              "import_streaming()  # before streaming is imported: without transformers and torchvision (streaming_import.py)\n",
              "\n", ("tests/test_layout.py", "-k", "defers_transformers")),
+    Mutation("workers: notices not ignored", "a notice to a DataLoader worker leaves the run exact",
+             "tokstream/reader/token_loader.py",
+             "        signal.signal(signum, signal.SIG_IGN)  # a notice held back since the fork",
+             "        pass  # a notice held back since the fork", ("tests/test_training.py", "-k", "dataloader_workers")),
     Mutation("checkpoint: the metrics copy after the manifest", "nothing a run wrote is lost to a kill",
              "tokstream/train/checkpoint_files.py",
              "    if metrics is not None:\n        store.publish_bytes(METRICS_FILE, metrics)\n    write_manifest(store, step,"

@@ -400,7 +400,7 @@ def test_an_interruption_at_every_kind_of_boundary_resumes_exactly(tmp_path):
 @pytest.mark.long
 def test_the_phases_example_config_runs_on_the_real_corpora(tmp_path):
     """configs/tiny-phases.yaml (a batch warm-up, twice the block, an annealing mixture), its data converted from
-    ../shared as its header says, through torchrun on 2 ranks; then its loss curve, with tokens and phases. With the
+    ../shared as its header says, on 2 ranks; then its loss curve, with tokens and phases. With the
     loss-spike guard on (zscore 6, action stop): the statistics that each phase moves by design raise no alarm (the
     window starts again at each phase); relaunched on to step 50, then with the learning rate raised 10,000-fold, the
     real spike that follows, inside the last phase, stops the run."""
@@ -411,19 +411,22 @@ def test_the_phases_example_config_runs_on_the_real_corpora(tmp_path):
         subprocess.run([sys.executable, "convert/text_to_mds.py", str(corpora / corpus), "--doc-per", doc_per,
                         "--val-fraction", "0.05", "--block-size", str(block), "--out", str(tmp_path / out)],
                        cwd=ROOT, check=True, capture_output=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train/main.py",
-               "configs/tiny-phases.yaml", f"run_dir={tmp_path / 'run'}", f"phases.0.data.remote={tmp_path / 'data'}",
-               f"phases.2.data.remote={tmp_path / 'plays-128'}",
-               f"phases.3.data.streams.0.remote={tmp_path / 'plays-128'}",
-               f"phases.3.data.streams.1.remote={tmp_path / 'wiki-128'}", "guard.zscore=6", "guard.action=stop"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    argv = ["configs/tiny-phases.yaml", f"run_dir={tmp_path / 'run'}", f"phases.0.data.remote={tmp_path / 'data'}",
+            f"phases.2.data.remote={tmp_path / 'plays-128'}", f"phases.3.data.streams.0.remote={tmp_path / 'plays-128'}",
+            f"phases.3.data.streams.1.remote={tmp_path / 'wiki-128'}", "guard.zscore=6", "guard.action=stop"]
+
+    def launch(*overrides: str) -> tuple[int, str]:  # 2 ranks, warm (tests/test_training.py's launch)
+        process = WarmLaunch(2, [*argv, *overrides], {**os.environ, "OMP_NUM_THREADS": "1"}, ROOT)
+        said = process.communicate(timeout=300)[0]
+        return process.returncode, said
+
+    status, said = launch()
+    assert status == 0, said[-3000:]
     for line in ("phases.1 from step 10: global batch 8 (accumulation 2), block 64",
                  "phases.2 from step 20: global batch 8 (accumulation 2), block 128",
                  "phases.3 from step 30: global batch 8 (accumulation 2), block 128, a mixture of plays, wiki",
                  "28,160 tokens in 40 steps", "step 40 tokens 28,160 loss"):
-        assert line in done.stdout, line
+        assert line in said, line
     records = metrics(tmp_path / "run")
     assert [r["tokens"] for r in records][9:11] == [2560, 3072]  # 10 steps of 4 x 64, then 8 x 64
     assert records[-1]["lr"] == pytest.approx(3e-4, rel=0.05)  # decayed over the 28,160 tokens
@@ -437,16 +440,10 @@ def test_the_phases_example_config_runs_on_the_real_corpora(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 10_000 and "run train" in labels
     assert not any("guard" in r for r in records)  # no false alarm at a phase's start
 
-    def relaunch(*overrides: str) -> tuple[int, str]:  # the same ranks, warm (tests/test_training.py's launch)
-        argv = command[command.index("train/main.py") + 1:]
-        process = WarmLaunch(2, [*argv, *overrides], {**os.environ, "OMP_NUM_THREADS": "1"}, ROOT)
-        said = process.communicate(timeout=300)[0]
-        return process.returncode, said
-
-    status, said = relaunch("max_steps=50")
+    status, said = launch("max_steps=50")
     assert status == 0 and not any("guard" in r for r in metrics(tmp_path / "run")), said[-3000:]
     raised = ["max_steps=60", "optim.lr=3", "optim.min_lr=3", "resume_allow=[optim.lr,optim.min_lr]"]
-    status, said = relaunch(*raised)
+    status, said = launch(*raised)
     caught = re.search(r"loss spike at step (\d+) \(loss_z ([\d.]+|inf)", said)
     assert status != 0 and caught and int(caught.group(1)) in (51, 52), said[-3000:]
 

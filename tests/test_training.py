@@ -289,26 +289,33 @@ def test_dataloader_workers_ignore_preemption_signals_and_the_run_goes_on_exactl
     """SIGTERM and SIGUSR1 reach every process of a job in a cgroup or process-group kill: the rank
     reacts (it checkpoints), its DataLoader workers must not (a killed worker would fail the rank's
     next batch). Sent to the workers alone, the run goes on to the uninterrupted run's samples and losses."""
-    from tokstream.testing.processes import descendants, worker_pids
+    from tokstream.testing.processes import descendants
 
-    process = launch(2, dataset, tmp_path, "data.num_workers=2")
+    process = launch(2, dataset, tmp_path, "data.num_workers=2", warm=True)  # the signals go to the workers alone
+    ranks = [rank.pid for rank in process.processes]
 
-    def data_workers() -> list[int]:
-        ranks = worker_pids(process.pid)
+    def data_workers() -> list[list[int]]:  # each rank's: forked from it, its command line
         found = []
-        for pid in descendants(process.pid):
+        for rank in ranks:
             try:
-                command = open(f"/proc/{pid}/cmdline", "rb").read()
-            except OSError:
-                continue
-            if pid not in ranks and b"train/main.py" in command:  # forked from a rank: its command line
-                found.append(pid)
+                command = open(f"/proc/{rank}/cmdline", "rb").read()
+                found.append([pid for pid in descendants(rank) if open(f"/proc/{pid}/cmdline", "rb").read() == command])
+            except OSError:  # ended
+                found.append([])
         return found
 
-    wait_for(lambda: len(metrics(tmp_path)) >= 2 and len(data_workers()) >= 4)
-    for pid in data_workers():
-        for signum in (signal.SIGTERM, signal.SIGUSR1):
-            os.kill(pid, signum)
+    # A worker blocks the notices from its fork until it ignores them (token_loader.start_worker): it may be signalled
+    # as soon as it exists. The ranks wait meanwhile, so that the workers are signalled with the run's batches ahead.
+    wait_for(lambda: all(len(workers) >= 2 for workers in data_workers()))
+    for rank in ranks:
+        os.kill(rank, signal.SIGSTOP)
+    try:
+        for pid in sum(data_workers(), []):
+            for signum in (signal.SIGTERM, signal.SIGUSR1):
+                os.kill(pid, signum)
+    finally:
+        for rank in ranks:
+            os.kill(rank, signal.SIGCONT)
     finish(process)
     assert trained_steps(tmp_path) == reference
 

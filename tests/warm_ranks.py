@@ -47,14 +47,14 @@ def start_warm_server() -> None:
 
 
 class WarmLaunch:
-    """`train/main.py *argv` forked from the warm server, as a Popen of torchrun has it: `stdout` (every rank's
-    stdout and stderr, merged), `poll`, `wait`, `communicate` and `returncode` (0 when every rank exited 0, else
-    the first failed rank's status), `send_signal` (to every rank, as torchrun's agent forwards it) and
-    `kill_tree` (a node lost). `ranks`: that many ranks with torchrun's variables on one node; None: one process
-    without them, as `python train/main.py`. No `pid`: a signal to one rank is not a signal to the launch."""
+    """`script *argv` (train/main.py unless said) forked from the warm server, as a Popen of torchrun has it:
+    `stdout` (every rank's stdout and stderr, merged), `poll`, `wait`, `communicate` and `returncode` (0 when every
+    rank exited 0, else the first failed rank's status), `send_signal` (to every rank, as torchrun's agent forwards
+    it) and `kill_tree` (a node lost). `ranks`: that many ranks with torchrun's variables on one node; None: one
+    process without them, as `python train/main.py`. No `pid`: a signal to one rank is not a signal to the launch."""
 
-    def __init__(self, ranks: int | None, argv: list[str], env: dict, cwd: Path):
-        self.args = ["warm", str(TRAINER), *map(str, argv)]
+    def __init__(self, ranks: int | None, argv: list[str], env: dict, cwd: Path, script: Path = TRAINER):
+        self.args = ["warm", str(script), *map(str, argv)]
         reader, writer = socket.socketpair()
         port = _free_port()
         context = multiprocessing.get_context("forkserver")
@@ -65,7 +65,7 @@ class WarmLaunch:
                 rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
                                 WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), ROLE_WORLD_SIZE=str(ranks),
                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            process = context.Process(target=_rank, args=(rank_env, self.args[2:], str(cwd), writer),
+            process = context.Process(target=_rank, args=(rank_env, self.args[1:], str(cwd), writer),
                                       name=f"rank {rank}")
             process.start()
             self.processes.append(process)
@@ -129,7 +129,8 @@ class WarmLaunch:
 
 
 def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket) -> None:
-    """In the fork: the rank's environment, output and threads as torchrun's would be, then train/main.py."""
+    """In the fork: the rank's environment, output and threads as torchrun's would be, then the script
+    (argv[0]) as `__main__`."""
     if PRELOAD not in sys.modules:  # a server started before start_warm_server(): the rank would import it all
         raise RuntimeError(f"the warm server did not import {PRELOAD}: start_warm_server() must start it")
     import torch
@@ -145,12 +146,15 @@ def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket) -> None:
     if numpy_choice is not None:
         os.environ.setdefault(NUMPY_CHOICE, numpy_choice)
     tempfile.tempdir = None  # found again from this environment's TMPDIR, not the server's
+    # multiprocessing's start method as in a new interpreter (fork on Linux before Python 3.14), not the forkserver
+    # this fork came from: DataLoader workers are forked from the rank, as in a rank torchrun starts.
+    multiprocessing.set_start_method(None, force=True)
     sys.path[:] = [entry for entry in sys.path if entry != str(TESTS)]  # the test process's (pytest's): not a rank's
     os.chdir(cwd)
     if "OMP_NUM_THREADS" in env:  # read by the server when it imported torch, from its own environment
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    sys.argv = [str(TRAINER), *argv]
-    runpy.run_path(str(TRAINER), run_name="__main__")
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
 
 
 def _free_port() -> int:
