@@ -18,7 +18,7 @@ from test_training import tiny_splits
 
 from tokstream.errors import UserError
 from tokstream.reader import BatchPlan, DataConfig, SampleOrder, StreamConfig, TrainBatches, open_dataset
-from warm_ranks import WarmLaunch
+from warm_ranks import WarmLaunch, run_warm
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +56,7 @@ def test_the_order_is_what_the_reader_reads_across_epoch_ends_from_any_step(data
 
 
 def ledger(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "train/ledger.py"), str(run_dir), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return run_warm("train/ledger.py", run_dir, *args, cwd=ROOT)  # forked warm: torch imported once
 
 
 def json_lines(done: subprocess.CompletedProcess) -> list[dict]:

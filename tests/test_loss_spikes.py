@@ -3,13 +3,13 @@
 
 import json
 import signal
-import subprocess
 import sys
 
 import pytest
 from conftest import ROOT
 from test_training import finish, launch, metrics, train, wait_for
 from test_training import launch as launch_to
+from warm_ranks import run_warm
 
 from tokstream.train.checkpoint_files import latest_step
 from tokstream.train.run_store import LocalRunStore
@@ -61,8 +61,7 @@ def test_skipped_steps_data_is_left_out_exactly_through_a_preemption_and_another
 
 
 def ledger_lines(run_dir, steps: str) -> list[dict]:
-    ledger = subprocess.run([sys.executable, str(ROOT / "train/ledger.py"), str(run_dir), "--steps", steps, "--json"],
-                            capture_output=True, text=True, cwd=ROOT)
+    ledger = run_warm("train/ledger.py", run_dir, "--steps", steps, "--json", cwd=ROOT)
     assert ledger.returncode == 0, ledger.stderr
     return [json.loads(line) for line in ledger.stdout.splitlines()]
 

@@ -15,8 +15,8 @@ import pytest
 from conftest import ROOT
 from test_lazy_order import read
 from test_training import tiny_splits
+from warm_ranks import run_warm
 
-from tokstream.errors import UserError
 from tokstream.reader import BatchPlan, DataConfig, SampleOrder, StreamConfig, TrainBatches, open_dataset
 from tokstream.reader.order.lazy import NAME
 from tokstream.reader.order import order_files
@@ -307,9 +307,8 @@ def test_a_run_started_before_auto_resumes_in_its_own_order_and_keeps_its_orders
     threshold = ["data.lazy_order_from=64"]
     train(1, dataset, tmp_path / "reference", "data.shuffle_algo=py1e", *threshold)
     run_dir, store = tmp_path / "interrupted", LocalRunStore(str(tmp_path / "interrupted"))
-    ahead = subprocess.run([sys.executable, "train/build_orders.py", *BASE, f"data.remote={dataset}",
-                            f"run_dir={run_dir}", "data.shuffle_algo=py1e", *threshold, "--epochs", "2"],
-                           capture_output=True, text=True, cwd=ROOT)
+    ahead = run_warm("train/build_orders.py", *BASE, f"data.remote={dataset}", f"run_dir={run_dir}",
+                     "data.shuffle_algo=py1e", *threshold, "--epochs", "2", cwd=ROOT)
     assert ahead.returncode == 0, ahead.stderr
     assert ahead.stdout.startswith("the data: epochs 0-1 of py1e in ") and sorted(epoch_files(run_dir / "orders")) == [0, 1]
     built = {name: os.stat(run_dir / "orders" / name).st_ino for name in os.listdir(run_dir / "orders")}
@@ -323,23 +322,20 @@ def test_a_run_started_before_auto_resumes_in_its_own_order_and_keeps_its_orders
         [(m["step"], m["samples"], m["loss"]) for m in metrics(tmp_path / "reference")]
     assert {name: os.stat(run_dir / "orders" / name).st_ino for name in built} == built  # mapped, not built again
     listing = sorted(os.listdir(run_dir / "orders"))
-    ledger = subprocess.run([sys.executable, str(ROOT / "train/ledger.py"), str(run_dir), "--step", "16"],
-                            capture_output=True, text=True, cwd=tmp_path)
+    ledger = run_warm(ROOT / "train/ledger.py", run_dir, "--step", "16", cwd=tmp_path)
     assert ledger.returncode == 0, ledger.stderr
     assert sorted(os.listdir(run_dir / "orders")) == listing  # the ledger computes; it writes nothing
-    later = subprocess.run([sys.executable, "train/build_orders.py", *BASE, f"data.remote={dataset}",
-                            f"run_dir={run_dir}", *threshold, "--epochs", "3"], capture_output=True, text=True,
-                           cwd=ROOT)
+    later = run_warm("train/build_orders.py", *BASE, f"data.remote={dataset}", f"run_dir={run_dir}", *threshold,
+                     "--epochs", "3", cwd=ROOT)
     assert later.stdout.startswith("the data: epochs 0-2 of py1e in "), later.stderr  # the run's own order, as it reads
     (tmp_path / "a-file").write_text("")
-    nowhere = subprocess.run([sys.executable, "train/build_orders.py", *BASE, f"data.remote={dataset}",
-                              f"run_dir={tmp_path / 'other'}", f"data.order_dir={tmp_path / 'a-file'}"],
-                             capture_output=True, text=True, cwd=ROOT)
+    nowhere = run_warm("train/build_orders.py", *BASE, f"data.remote={dataset}", f"run_dir={tmp_path / 'other'}",
+                       f"data.order_dir={tmp_path / 'a-file'}", cwd=ROOT)
     assert nowhere.returncode != 0 and nowhere.stderr.strip() == (
         f"error: data.order_dir {tmp_path / 'a-file'}: the epochs' orders cannot be built there (File exists): give a "
         "folder with room, or leave the readers to build them")
-    lazy = subprocess.run([sys.executable, "train/build_orders.py", *BASE, f"data.remote={dataset}",
-                           f"run_dir={tmp_path / 'lazy'}", *threshold], capture_output=True, text=True, cwd=ROOT)
+    lazy = run_warm("train/build_orders.py", *BASE, f"data.remote={dataset}", f"run_dir={tmp_path / 'lazy'}",
+                    *threshold, cwd=ROOT)
     assert lazy.stdout == "the data: read in lazy, which keeps no files: nothing to build\n", lazy.stderr
     _, saved = find_latest(store)
     assert saved["run"]["config"]["data"]["shuffle_algo"] == "py1e"

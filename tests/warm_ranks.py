@@ -21,9 +21,11 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from tokstream.train.cpu_dispatch import VARIABLE as NUMPY_CHOICE
+from tokstream.train.process_exit import exit_without_teardown
 
 PRELOAD = "warm_rank_preload"
 TESTS = Path(__file__).resolve().parent
@@ -128,16 +130,51 @@ class WarmLaunch:
         self.poll()
 
 
-def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket) -> None:
+def run_warm(script: Path | str, *args, cwd: Path, env: dict | None = None,
+             timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python script *args` forked from the warm server, as `subprocess.run(capture_output=True, text=True)` has it,
+    for a CLI whose process start is not what the test tests (the ledger, vouch.py, build_orders.py import torch:
+    seconds a call, here imported once)."""
+    command = [str(Path(cwd, script)), *map(str, args)]
+    pipes = [socket.socketpair() for _ in ("stdout", "stderr")]
+    process = multiprocessing.get_context("forkserver").Process(
+        target=_rank, args=(dict(os.environ if env is None else env), command, str(cwd), pipes[0][1], pipes[1][1]))
+    process.start()
+    said: list[str] = ["", ""]
+
+    def read(index: int, reader: socket.socket) -> None:
+        with reader.makefile("r", encoding="utf-8", errors="replace") as file:
+            said[index] = file.read()
+
+    readers = [threading.Thread(target=read, args=(index, reader), daemon=True)
+               for index, (reader, _) in enumerate(pipes)]
+    for (reader, writer), thread in zip(pipes, readers):
+        writer.close()
+        thread.start()
+    process.join(timeout)
+    if process.exitcode is None:
+        process.kill()
+        process.join()
+        raise subprocess.TimeoutExpired(command, timeout)
+    for (reader, _), thread in zip(pipes, readers):
+        thread.join()
+        reader.close()
+    return subprocess.CompletedProcess(command, process.exitcode, said[0], said[1])
+
+
+def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket, errors: socket.socket | None = None) -> None:
     """In the fork: the rank's environment, output and threads as torchrun's would be, then the script
-    (argv[0]) as `__main__`."""
+    (argv[0]) as `__main__`, and its exit as the interpreter's (its threads joined, its atexit handlers run).
+    Its stderr goes to `errors`, else with its stdout."""
     if PRELOAD not in sys.modules:  # a server started before start_warm_server(): the rank would import it all
         raise RuntimeError(f"the warm server did not import {PRELOAD}: start_warm_server() must start it")
     import torch
 
     os.dup2(output.fileno(), 1)
-    os.dup2(output.fileno(), 2)
-    output.close()
+    os.dup2((errors or output).fileno(), 2)
+    for stream in (output, errors):
+        if stream is not None:
+            stream.close()
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
     numpy_choice = os.environ.get(NUMPY_CHOICE)  # made by the server before it imported numpy
@@ -150,11 +187,22 @@ def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket) -> None:
     # this fork came from: DataLoader workers are forked from the rank, as in a rank torchrun starts.
     multiprocessing.set_start_method(None, force=True)
     sys.path[:] = [entry for entry in sys.path if entry != str(TESTS)]  # the test process's (pytest's): not a rank's
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python script` has it
     os.chdir(cwd)
     if "OMP_NUM_THREADS" in env:  # read by the server when it imported torch, from its own environment
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = list(argv)
-    runpy.run_path(argv[0], run_name="__main__")
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+        status = 0
+    except SystemExit as done:  # as the interpreter reads it
+        status = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
+        if not isinstance(done.code, int | None):
+            print(done.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001  (as the interpreter ends on it)
+        traceback.print_exc()
+        status = 1
+    exit_without_teardown(status)
 
 
 def _free_port() -> int:
