@@ -1,5 +1,5 @@
-"""Nothing a run wrote is lost to the project's own safety machinery, through real processes (torchrun where
-its part is tested) and the real S3 server: a run without its LATEST or with a corrupt newest checkpoint resumes from the newest
+"""Nothing a run wrote is lost to the project's own safety machinery, through real torchrun and the
+real S3 server: a run without its LATEST or with a corrupt newest checkpoint resumes from the newest
 one that passes its checks; a second job on a live run_dir refuses; ranks do not outlive their
 launcher; a relaunch never starts over from step 0 by itself. (The files' own rules: test_checkpoint.py.)"""
 
@@ -54,15 +54,15 @@ def test_a_second_job_on_a_live_run_refuses_in_one_line_and_the_live_job_goes_on
     run_dir = f"s3://{BUCKET}/runs/live-{os.getpid()}"
     store = S3RunStore(run_dir, tmp_path / "reader")
     job_a = training.launch(2, dataset, run_dir, FAST_LEASE, "max_steps=400", "optim.decay_steps=400",
-                            f"run_local={tmp_path / 'a'}", warm=True)  # torchrun's own part: the tests below
+                            f"run_local={tmp_path / 'a'}")
     training.wait_for(lambda: (latest_step(store) or 0) >= 4)
     job_b = training.launch(2, dataset, run_dir, FAST_LEASE, "max_steps=400", "optim.decay_steps=400",
-                            f"run_local={tmp_path / 'b'}", warm=True)
+                            f"run_local={tmp_path / 'b'}")
     refused = job_b.communicate(timeout=120)[0]
     assert job_b.returncode != 0 and job_a.poll() is None
     refusal = [line for line in refused.splitlines() if line.startswith("error:")]
     assert len(refusal) == 1 and refusal[0].startswith(f"error: {run_dir} is in use by a live job (host "), refused
-    assert f"PID {job_a.processes[0].pid}, since " in refusal[0]  # rank 0's
+    assert f"PID {worker_pids(job_a.pid)[0]}, since " in refusal[0]
     assert refusal[0].endswith("its process is running on this machine): stop that job first, or point run_dir "
                                "elsewhere")  # another machine's live job: its lease moving (test_run_lease.py)
     assert "resumed from" not in refused and not (tmp_path / "b" / "metrics.jsonl").exists()
