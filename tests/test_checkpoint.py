@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 from conftest import ROOT
-from warm_ranks import run_warm
 
 from tokstream.errors import UserError
 from tokstream.train.checkpoint import find_latest
@@ -260,19 +259,22 @@ def test_checkpoints_without_a_manifest_are_never_resumed_from_nor_deleted(tmp_p
 def test_vouching_for_checkpoints_without_a_manifest_lets_the_run_resume_from_them(tmp_path):
     """train/vouch.py: the upgrade path for a run whose checkpoints predate manifests. A file that does
     not hold the trainer's state of the step its name says is refused in one line, nothing written."""
+    import subprocess
+    import sys
+
     run = {"run_id": "0123abcd", "config": {"max_steps": 8}, "phase_identities": ["a1b2"]}
     for step in (4, 8):
         torch.save({**trainer_state(step), "run": run}, tmp_path / f"ckpt-{step:08d}.pt")
     torch.save(trainer_state(3), tmp_path / "ckpt-00000012.pt")  # misnamed
-    vouch = ["train/vouch.py", tmp_path]
-    refused = run_warm(*vouch, cwd=ROOT)  # forked warm: torch imported once
+    vouch = [sys.executable, str(ROOT / "train/vouch.py"), str(tmp_path)]
+    refused = subprocess.run(vouch, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and refused.stderr == (
         f"error: {tmp_path}/ckpt-00000012.pt cannot be vouched for: ValueError: it holds no trainer state of step "
         "12; nothing was written\n")
     assert complete(tmp_path) == [4, 8]  # the two before it were vouched for
     manifest = read_manifest(LocalRunStore(tmp_path), 8)
     assert manifest["run_id"] == "0123abcd" and manifest["run"] == run  # the ledger reads the run's record there
-    done = run_warm(*vouch, "--step", "8", cwd=ROOT)
+    done = subprocess.run([*vouch, "--step", "8"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "ckpt-00000008.pt: it has a manifest already" in done.stderr
     url, state = load_latest(tmp_path)
     assert url == f"{tmp_path}/ckpt-00000008.pt" and state["progress"]["step"] == 8

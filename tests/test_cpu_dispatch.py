@@ -95,12 +95,14 @@ def test_a_numpy_that_refuses_to_leave_a_feature_out_is_imported_as_it_is():
     assert refused["avx512f"] == THIS_MACHINE_HAS_AVX512F
 
 
-def test_training_chooses_before_anything_imports_numpy():
-    # train/main.py's imports, then whether numpy was loaded by the time prefer_avx2_sort() runs
-    script = (f"import sys, runpy\nsys.argv = [{str(ROOT / 'train/main.py')!r}]\n"
+@pytest.mark.parametrize("tool", ["train/main.py", "train/ledger.py", "train/build_orders.py"])
+def test_training_and_the_tools_computing_its_orders_choose_before_anything_imports_numpy(tool):
+    # the tool's imports, then whether numpy was loaded by the time prefer_avx2_sort() runs (the same kernels as the
+    # trainer's: an epoch whose py1e positions tie is ordered by an unstable argsort, which they break alike)
+    script = (f"import sys, runpy\nsys.argv = [{str(ROOT / tool)!r}]\n"
               "from tokstream.train import cpu_dispatch\nreal = cpu_dispatch.prefer_avx2_sort\n"
               "cpu_dispatch.prefer_avx2_sort = lambda: print('numpy' in sys.modules) or real()\n"
-              f"runpy.run_path({str(ROOT / 'train/main.py')!r}, run_name='__main__')\n")
+              f"runpy.run_path({str(ROOT / tool)!r}, run_name='__main__')\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True)
     assert done.stdout.splitlines()[0] == "False", done.stdout + done.stderr

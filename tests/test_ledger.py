@@ -55,8 +55,13 @@ def test_the_order_is_what_the_reader_reads_across_epoch_ends_from_any_step(data
         order.close()
 
 
-def ledger(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    return run_warm("train/ledger.py", run_dir, *args, cwd=ROOT)  # forked warm: torch imported once
+def ledger(run_dir: Path, *args: str, fresh: bool = False) -> subprocess.CompletedProcess:
+    """The ledger forked warm (torch imported once); fresh: in a new interpreter, whose stderr holds whatever its
+    imports print too (where a test compares stderr whole)."""
+    if fresh:
+        return subprocess.run([sys.executable, str(ROOT / "train/ledger.py"), str(run_dir), *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+    return run_warm("train/ledger.py", run_dir, *args, cwd=ROOT)
 
 
 def json_lines(done: subprocess.CompletedProcess) -> list[dict]:
@@ -196,7 +201,7 @@ def test_a_run_without_ranks_in_its_metrics_needs_them_given_and_other_data_is_r
     assert "on data 000000000000, the config" in refusal(lambda: answer(other_data, 9))
     other_phase = rewritten("phase", lambda r: {**r, "phase": 1} if r["step"] > 8 else r)
     data = records[8]["data"]
-    refused = ledger(other_phase, "--step", "9")
+    refused = ledger(other_phase, "--step", "9", fresh=True)
     assert refused.returncode != 0 and refused.stderr.strip() == (
         f"error: step 9: metrics.jsonl says it trained phases.1 with 4,608 tokens done on data {data}, the config of "
         f"the newest checkpoint (step 10) gives phases.0 with 4,608 on data {data}: a launch since ran another "

@@ -297,25 +297,41 @@ def test_dataloader_workers_ignore_preemption_signals_and_the_run_goes_on_exactl
     def data_workers() -> list[list[int]]:  # each rank's: forked from it, its command line
         found = []
         for rank in ranks:
+            forks = []
             try:
                 command = open(f"/proc/{rank}/cmdline", "rb").read()
-                found.append([pid for pid in descendants(rank) if open(f"/proc/{pid}/cmdline", "rb").read() == command])
             except OSError:  # ended
-                found.append([])
+                command = None
+            for pid in descendants(rank) if command else []:
+                try:
+                    if open(f"/proc/{pid}/cmdline", "rb").read() == command:
+                        forks.append(pid)
+                except OSError:  # ended meanwhile
+                    continue
+            found.append(forks)
         return found
 
-    # A worker blocks the notices from its fork until it ignores them (token_loader.start_worker): it may be signalled
-    # as soon as it exists. The ranks wait meanwhile, so that the workers are signalled with the run's batches ahead.
+    def hold(signum: int) -> None:
+        for rank in ranks:
+            os.kill(rank, signum)
+
+    # The workers are signalled while the run trains, with batches still ahead: steps take milliseconds, so the ranks
+    # are held (SIGSTOP) from when their workers exist and let go a few milliseconds at a time until step 2 is done.
     wait_for(lambda: all(len(workers) >= 2 for workers in data_workers()))
-    for rank in ranks:
-        os.kill(rank, signal.SIGSTOP)
+    hold(signal.SIGSTOP)
     try:
-        for pid in sum(data_workers(), []):
+        while len(metrics(tmp_path)) < 2:
+            hold(signal.SIGCONT)
+            time.sleep(0.005)
+            hold(signal.SIGSTOP)
+        assert len(metrics(tmp_path)) < STEPS, "the run ended before its workers were signalled"
+        signalled = data_workers()
+        assert all(len(workers) >= 2 for workers in signalled), signalled
+        for pid in sum(signalled, []):
             for signum in (signal.SIGTERM, signal.SIGUSR1):
                 os.kill(pid, signum)
     finally:
-        for rank in ranks:
-            os.kill(rank, signal.SIGCONT)
+        hold(signal.SIGCONT)
     finish(process)
     assert trained_steps(tmp_path) == reference
 

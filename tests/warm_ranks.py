@@ -156,8 +156,11 @@ def run_warm(script: Path | str, *args, cwd: Path, env: dict | None = None,
         process.kill()
         process.join()
         raise subprocess.TimeoutExpired(command, timeout)
+    deadline = time.monotonic() + timeout
     for (reader, _), thread in zip(pipes, readers):
-        thread.join()
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():  # something the process started still holds its output open
+            raise subprocess.TimeoutExpired(command, timeout)
         reader.close()
     return subprocess.CompletedProcess(command, process.exitcode, said[0], said[1])
 

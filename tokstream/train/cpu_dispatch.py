@@ -1,5 +1,7 @@
 """Used by train/main.py (and bench/scale.py) before numpy loads: the reader's epoch order sorts with numpy, whose
-sort on AMD Zen 4 must take its AVX2 kernel, not its AVX-512 one, which is 4-5 times slower there.
+sort on AMD Zen 4 must take its AVX2 kernel, not its AVX-512 one, which is 4-5 times slower there. The tools that
+compute a run's orders again (train/ledger.py, train/build_orders.py) call it too: where an epoch's py1e positions
+tie, its order is an unstable argsort's, which the two kernels break differently.
 
 numpy sorts 32- and 64-bit numbers with x86-simd-sort, whose AVX-512 kernel it picks wherever the
 CPU has AVX-512. Zen 4 (AMD family 0x19 with AVX-512) runs that kernel's compress-stores to memory
