@@ -399,6 +399,9 @@ MUTATIONS = [
              "tokstream/reader/token_loader.py",
              "        signal.signal(signum, signal.SIG_IGN)  # a notice held back since the fork",
              "        pass  # a notice held back since the fork", ("tests/test_training.py", "-k", "dataloader_workers")),
+    Mutation("ledger: numpy's kernels not chosen", "the ledger's order breaks ties as the trainer's readers do",
+             "train/ledger.py", "prefer_avx2_sort()  # numpy's kernels as the trainer's here", "pass  # numpy's kernels",
+             ("tests/test_cpu_dispatch.py", "-k", "ledger")),
     Mutation("checkpoint: the metrics copy after the manifest", "nothing a run wrote is lost to a kill",
              "tokstream/train/checkpoint_files.py",
              "    if metrics is not None:\n        store.publish_bytes(METRICS_FILE, metrics)\n    write_manifest(store, step,"

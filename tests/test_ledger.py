@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, TRAINING_VOCAB
+from conftest import ROOT, TRAINING_VOCAB, run_script
 from test_training import tiny_splits
 
 from tokstream.errors import UserError
@@ -59,8 +59,7 @@ def ledger(run_dir: Path, *args: str, fresh: bool = False) -> subprocess.Complet
     """The ledger forked warm (torch imported once); fresh: in a new interpreter, whose stderr holds whatever its
     imports print too (where a test compares stderr whole)."""
     if fresh:
-        return subprocess.run([sys.executable, str(ROOT / "train/ledger.py"), str(run_dir), *args], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
+        return run_script("train/ledger.py", run_dir, *args, cwd=ROOT)
     return run_warm("train/ledger.py", run_dir, *args, cwd=ROOT)
 
 

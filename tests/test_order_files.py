@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_script
 from test_lazy_order import read
 from test_training import tiny_splits
 from warm_ranks import run_warm
@@ -329,9 +329,8 @@ def test_a_run_started_before_auto_resumes_in_its_own_order_and_keeps_its_orders
                      "--epochs", "3", cwd=ROOT)
     assert later.stdout.startswith("the data: epochs 0-2 of py1e in "), later.stderr  # the run's own order, as it reads
     (tmp_path / "a-file").write_text("")
-    nowhere = subprocess.run([sys.executable, "train/build_orders.py", *BASE, f"data.remote={dataset}",
-                              f"run_dir={tmp_path / 'other'}", f"data.order_dir={tmp_path / 'a-file'}"],
-                             capture_output=True, text=True, cwd=ROOT)  # fresh: its stderr is compared whole
+    nowhere = run_script("train/build_orders.py", *BASE, f"data.remote={dataset}", f"run_dir={tmp_path / 'other'}",
+                         f"data.order_dir={tmp_path / 'a-file'}", cwd=ROOT)  # fresh: its stderr is compared whole
     assert nowhere.returncode != 0 and nowhere.stderr.strip() == (
         f"error: data.order_dir {tmp_path / 'a-file'}: the epochs' orders cannot be built there (File exists): give a "
         "folder with room, or leave the readers to build them")

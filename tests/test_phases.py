@@ -412,7 +412,8 @@ def test_the_phases_example_config_runs_on_the_real_corpora(tmp_path):
                         "--val-fraction", "0.05", "--block-size", str(block), "--out", str(tmp_path / out)],
                        cwd=ROOT, check=True, capture_output=True)
     argv = ["configs/tiny-phases.yaml", f"run_dir={tmp_path / 'run'}", f"phases.0.data.remote={tmp_path / 'data'}",
-            f"phases.2.data.remote={tmp_path / 'plays-128'}", f"phases.3.data.streams.0.remote={tmp_path / 'plays-128'}",
+            f"phases.2.data.remote={tmp_path / 'plays-128'}",
+            f"phases.3.data.streams.0.remote={tmp_path / 'plays-128'}",
             f"phases.3.data.streams.1.remote={tmp_path / 'wiki-128'}", "guard.zscore=6", "guard.action=stop"]
 
     def launch(*overrides: str) -> tuple[int, str]:  # 2 ranks, warm (tests/test_training.py's launch)

@@ -198,10 +198,11 @@ def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket, errors: s
     try:
         runpy.run_path(argv[0], run_name="__main__")
         status = 0
-    except SystemExit as done:  # as the interpreter reads it
-        status = done.code if isinstance(done.code, int) else 0 if done.code is None else 1
-        if not isinstance(done.code, int | None):
-            print(done.code, file=sys.stderr)
+    except SystemExit as done:  # as the interpreter reads it: None is 0, a message is printed and is 1
+        status = 0 if done.code is None else done.code
+        if not isinstance(status, int):
+            print(status, file=sys.stderr)
+            status = 1
     except BaseException:  # noqa: BLE001  (as the interpreter ends on it)
         traceback.print_exc()
         status = 1

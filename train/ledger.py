@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 
 from tokstream.train.cpu_dispatch import prefer_avx2_sort  # noqa: E402
 
-prefer_avx2_sort()  # numpy's kernels as the trainer's on this machine: the ledger's orders break ties as its readers do
+prefer_avx2_sort()  # numpy's kernels as the trainer's here: the ledger's orders break ties as its readers do
 
 from tokstream.errors import CommandLine, UserError, run_cli  # noqa: E402
 
