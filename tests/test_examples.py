@@ -51,9 +51,13 @@ def test_the_ddp_example_resumes_exactly_after_preemptions_and_on_fewer_ranks(da
     assert sorted(reference) == list(range(1, STEPS + 1))
 
     checkpoint, seen = tmp_path / "run.pt", {}
-    for nproc, preempt_after in ((2, 3), (2, 7), (1, None)):
-        launched = losses(launch(nproc, dataset, checkpoint, warm=preempt_after is None), preempt_after)
-        assert min(launched) == len(seen) + 1 and preempt_after in (None, *launched), (sorted(seen), sorted(launched))
+    for nproc, preempted in ((2, True), (2, True), (1, False)):
+        # the notice goes once the launch has printed its third step: on a loaded machine the test reads that line
+        # late and the ranks may be steps further on, so the notice is placed by where this launch started
+        preempt_after = len(seen) + 3 if preempted else None
+        launched = losses(launch(nproc, dataset, checkpoint, warm=not preempted), preempt_after)
+        assert min(launched) == len(seen) + 1, (sorted(seen), sorted(launched))
+        assert not preempted or preempt_after <= max(launched) < STEPS, sorted(launched)  # stopped early, saved
         expected = [reference[step] for step in sorted(launched)]
         if nproc == 2:
             assert [launched[step] for step in sorted(launched)] == expected  # bitwise
