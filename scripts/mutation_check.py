@@ -402,6 +402,9 @@ MUTATIONS = [
     Mutation("ledger: numpy's kernels not chosen", "the ledger's order breaks ties as the trainer's readers do",
              "train/ledger.py", "prefer_avx2_sort()  # numpy's kernels as the trainer's here", "pass  # numpy's kernels",
              ("tests/test_cpu_dispatch.py", "-k", "ledger")),
+    Mutation("ddp example: the reader's state not loaded", "the README's DDP loop resumes exactly after a preemption",
+             "examples/ddp_loop.py", '        batches.load_state_dict(state["batches"])\n', "\n",
+             ("tests/test_examples.py", "-k", "ddp")),
     Mutation("checkpoint: the metrics copy after the manifest", "nothing a run wrote is lost to a kill",
              "tokstream/train/checkpoint_files.py",
              "    if metrics is not None:\n        store.publish_bytes(METRICS_FILE, metrics)\n    write_manifest(store, step,"
