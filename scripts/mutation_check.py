@@ -402,6 +402,23 @@ MUTATIONS = [
     Mutation("ledger: numpy's kernels not chosen", "the ledger's order breaks ties as the trainer's readers do",
              "train/ledger.py", "prefer_avx2_sort()  # numpy's kernels as the trainer's here", "pass  # numpy's kernels",
              ("tests/test_cpu_dispatch.py", "-k", "ledger")),
+    Mutation("node barrier: an ended peer not looked for", "a rank killed before an epoch starts ends its node's "
+             "others in one line instead of leaving them waiting",
+             "tokstream/reader/streaming_door/__init__.py",
+             "    internals.install_node_barrier(stale_shm.ended_owners, stale_shm.locals_registration)\n",
+             "\n", ("tests/test_reader_api.py", "-k", "ends_before_an_epoch")),
+    Mutation("node barrier: a released record removed", "a rank that fails on its own before an epoch starts ends "
+             "its node's others in one line instead of leaving them waiting", "tokstream/reader/stale_shm.py",
+             "        os.replace(path, path.with_name(path.name + RELEASED))", "        path.unlink()",
+             ("tests/test_reader_api.py", "-k", "ends_before_an_epoch and fails")),
+    Mutation("node barrier: a closed reader's live process still awaited", "a rank that closed its reader before "
+             "an epoch starts ends its node's others in one line", "tokstream/reader/stale_shm.py",
+             "            if released or _start_time(pid) != start", "            if _start_time(pid) != start",
+             ("tests/test_reader_api.py", "-k", "ends_before_an_epoch and closes")),
+    Mutation("stale blocks: a zombie owner taken as running", "a rank killed before an epoch starts ends its node's "
+             "others, also before its parent reaps it", "tokstream/reader/stale_shm.py",
+             'return None if fields[0] in ("Z", "X") else int(fields[19])', "return int(fields[19])",
+             ("tests/test_reader_api.py", "-k", "ends_before_an_epoch and killed")),
     Mutation("ddp example: the reader's state not loaded", "the README's DDP loop resumes exactly after a preemption",
              "examples/ddp_loop.py", '        batches.load_state_dict(state["batches"])\n', "\n",
              ("tests/test_examples.py", "-k", "ddp")),

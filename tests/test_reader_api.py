@@ -1,6 +1,6 @@
 """The public reader API (tokstream.reader) as a loop of one's own uses it, in one process: the samples of a
 mixture with their sources, a resume from state_dict() between any two micro-batches, and close(); and in two
-ranks, the state rank 0 saves after the other rank has closed."""
+ranks, the state rank 0 saves after the other rank has closed, and a rank killed before an epoch starts."""
 
 import json
 import multiprocessing
@@ -14,6 +14,7 @@ from test_training import tiny_splits
 from tokstream.errors import UserError
 from tokstream.reader import (BatchPlan, DataConfig, StreamConfig, TrainBatches, eval_batches, open_dataset,
                               to_device)
+from tokstream.reader.stale_shm import OWNER_MARK, SHM_DIR
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +112,55 @@ def test_the_state_rank_0_saves_after_another_rank_closed_is_the_whole_position(
         next(uninterrupted)
     assert json.loads(outputs[0][0]) == uninterrupted.state_dict()
     uninterrupted.close()
+
+
+ENDED_PEER = """
+import os, sys
+rank, store, data, workers, ending = sys.argv[1:]
+os.environ.update(RANK=rank, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", LOCAL_RANK=rank)
+import torch.distributed as dist
+from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(rank), world_size=2)
+batches = TrainBatches(open_dataset(DataConfig(remote=data, num_workers=int(workers))), BatchPlan(8, 4, 2))
+for _ in range(5):  # the first epoch: 40 samples, 20 a rank
+    next(batches)
+print("read", flush=True)
+if rank == "1" and ending == "fails":
+    raise RuntimeError("an error of rank 1's own")  # an ordinary exit: its reader is released on the way out
+if rank == "1" and ending == "closes":
+    batches.close()  # and lives on
+sys.stdin.readline()  # rank 1 is killed here (or ends with the test); rank 0 reads on once it is
+next(batches)  # the next epoch's start
+"""
+
+
+@pytest.mark.parametrize("ending, workers", [("killed", 0), ("fails", 0), ("fails", 1), ("closes", 0)])
+def test_a_rank_that_ends_before_an_epoch_starts_ends_its_node_peer_instead_of_leaving_it_waiting(
+        mixture, tmp_path, ending, workers):
+    """Every process reading on a node waits for the others at streaming's barrier when an epoch starts (the rank
+    itself, or its DataLoader worker); stock waits for ever for one that has ended (until torchrun's SIGKILL, or the
+    job's time limit under srun). Here the waiting rank stops with one line naming the one that ended: killed (a
+    zombie until the test reaps it), ended by an error of its own, or that closed its reader and lives on."""
+    root = mixture.streams[0].remote
+    ranks = [subprocess.Popen([sys.executable, "-c", ENDED_PEER, str(rank), str(tmp_path / "store"), root,
+                               str(workers), ending], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        assert [rank.stdout.readline() for rank in ranks] == ["read\n"] * 2
+        if ending == "killed":
+            ranks[1].kill()  # not waited for: a zombie until the end of the test
+        _, stderr = ranks[0].communicate("\n", timeout=60)  # stock: no end (the block below is its failure)
+        assert ranks[0].returncode == 1, stderr[-3000:]
+        assert (f"tokstream.errors.PeerEnded: process {ranks[1].pid}, which read this dataset on this node (another "
+                "rank of the job), ended or closed it while this process") in stderr, stderr[-3000:]
+        if ending == "fails":  # its record, kept as released while rank 0 held the blocks, went with them
+            assert not list(SHM_DIR.glob(f"*_{OWNER_MARK}.{ranks[1].pid}.*"))
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.communicate()
+        for record in SHM_DIR.glob(f"*_{OWNER_MARK}.{ranks[1].pid}.*"):  # what the killed one left
+            record.unlink()
 
 
 def test_close_ends_the_dataloader_workers(mixture):
@@ -227,10 +277,11 @@ def test_a_cache_limit_streaming_refuses_is_said_in_one_line(tmp_path):
 def test_a_closed_reader_gives_back_its_shared_memory_and_its_s3_data_opens_again(proxy, tmp_path):
     """Stock streaming keeps a dataset's shared-memory blocks (and 12 file descriptors) until the process exits,
     so a process that opens many readers (a run whose phases change data, a test process) ran out of file
-    descriptors. close() gives them back, as does a reader that is dropped; the same S3 data then opens again
-    in the same order."""
+    descriptors. close() gives them back, as does a reader that is dropped (once the threads that download ahead
+    for it have ended: moments later); the same S3 data then opens again in the same order."""
     import gc
     import os
+    import time
     from conftest import BUCKET
     from test_interruptions import upload
 
@@ -255,8 +306,11 @@ def test_a_closed_reader_gives_back_its_shared_memory_and_its_s3_data_opens_agai
         prefix = f"{internals.shm_prefix(batches.loader.dataset):06}_"  # this reader's, not a neighbour worker's
         mine = {name for name in blocks() if name.startswith(prefix)}
         if round_ == 3:
-            del batches  # dropped, not closed
-            gc.collect()
+            del batches  # dropped, not closed: collected once streaming's download-ahead threads let it go
+            deadline = time.monotonic() + 30
+            while mine & blocks() and time.monotonic() < deadline:
+                gc.collect()
+                time.sleep(0.05)
         else:
             batches.close()
         counts.append(open_files())

@@ -28,6 +28,11 @@ class DamagedData(UserError):
     every process that meets it, since the ranks that read that shard may not include rank 0."""
 
 
+class PeerEnded(RuntimeError):
+    """A process that read the same dataset on this node (another rank) ended without closing it while this one
+    waited for it at the start of an epoch: the node's barrier can no longer fill, and the job cannot go on."""
+
+
 class NoSpace(Exception):
     """A disk this process writes to is full (or its quota is). Said by every process that meets it, not
     only by training's rank 0: each node has its own disks, and the other ranks may never meet it."""

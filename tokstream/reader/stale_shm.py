@@ -19,6 +19,10 @@ prefix it walks past for the rest of its life (streaming keeps each attached blo
 an atexit hook). For a prefix without owner records (another program's), mapped by any process
 counts as in use. Owner records left by killed processes of a prefix whose blocks are gone are
 removed too.
+
+The same records tell the node's barrier (streaming_internals.NodeBarrier) that a rank has ended: a
+process that lets its reader go renames its record `....released` (`release_owner`) rather than
+removing it, until the registration's blocks are gone, and a killed one leaves its record in place.
 """
 
 import os
@@ -36,12 +40,14 @@ _OWNER = re.compile(r"^(\d{6})_%s\.(\d+)\.(\d+)$" % OWNER_MARK)
 
 
 def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (tells a reused pid apart), or None if gone."""
+    """The process's start time in clock ticks since boot (tells a reused pid apart), or None if it has ended
+    (gone, or a zombie: killed, not yet reaped by its parent, say torchrun's agent)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22; fields after the command start at 3
+    fields = stat.rsplit(")", 1)[1].split()  # field 3 onwards: the command before them may hold anything
+    return None if fields[0] in ("Z", "X") else int(fields[19])  # state (3), start time (22)
 
 
 def record_owner(prefix: int) -> Path | None:
@@ -62,9 +68,49 @@ def _recorded_inode(name: str) -> int | None:
         return None
 
 
+def locals_registration(prefix: int) -> int | None:
+    """The inode of the prefix's `locals` block now (which registration of the number is there), None if gone."""
+    return _inode(SHM_DIR / f"{prefix:06d}_{LOCALS_BLOCK}")
+
+
+def ended_owners(prefix: int, registration: int) -> list[int]:
+    """The processes recorded as owners of registration `registration` of the prefix that have ended: released it
+    (closed their reader, or exited), or were killed with their record in place. None of them comes back to it (a
+    process that opens the dataset again gets a registration of its own), so the prefix's barrier cannot fill.
+
+    Read by pid: the ranks of a node share a pid namespace (torchrun and srun start them in one container), as
+    the stale blocks' removal below also assumes."""
+    ended = []
+    for path in SHM_DIR.glob(f"{prefix:06d}_{OWNER_MARK}.*"):
+        released = path.name.endswith(RELEASED)
+        match = _OWNER.match(path.name.removesuffix(RELEASED))
+        if match and _recorded_inode(path.name) == registration:
+            pid, start = int(match.group(2)), int(match.group(3))
+            if released or _start_time(pid) != start and path.exists():  # not released (renamed) just now
+                ended.append(pid)
+    return sorted(ended)
+
+
 def release_owner(path: Path | None, owner_pid: int) -> None:
-    if path is not None and os.getpid() == owner_pid:  # not in a DataLoader worker's copy of the dataset
-        path.unlink(missing_ok=True)
+    """Mark the record released (`ended_owners` reads it: its barrier's waiters stop); the records of a registration
+    whose blocks are gone go at once."""
+    if path is None or os.getpid() != owner_pid:  # not in a DataLoader worker's copy of the dataset
+        return
+    try:
+        os.replace(path, path.with_name(path.name + RELEASED))
+    except FileNotFoundError:  # removed as stale meanwhile
+        pass
+    drop_spent_releases(path.name.partition("_")[0])
+
+
+RELEASED = ".released"
+
+
+def drop_spent_releases(prefix: str = "[0-9]*") -> None:
+    """Unlink the released records (of `prefix`, or every one) whose registration's blocks are gone."""
+    for path in SHM_DIR.glob(f"{prefix}_{OWNER_MARK}.*{RELEASED}"):
+        if _recorded_inode(path.name) != _inode(SHM_DIR / f"{path.name.partition('_')[0]}_{LOCALS_BLOCK}"):
+            path.unlink(missing_ok=True)
 
 
 def mapped_shm_inodes() -> set[int]:
@@ -97,6 +143,7 @@ def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
     the names of the blocks removed."""
     if not SHM_DIR.is_dir():  # not Linux: nothing we can inspect safely
         return []
+    drop_spent_releases()
     ours = {os.path.abspath(d) for d in local_dirs}
     blocks: dict[str, list[str]] = {}
     owners: dict[str, list[tuple[str, int, int]]] = {}
@@ -135,6 +182,7 @@ def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
             continue
         removed += _unlink(names)
         _unlink([name for name, _, _ in recorded])
+        drop_spent_releases(prefix)
         for lock in LOCK_FILE_SUFFIXES:
             try:
                 Path(gettempdir(), f"{prefix}_{lock}").unlink(missing_ok=True)

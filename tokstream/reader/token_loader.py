@@ -36,7 +36,7 @@ import_streaming()  # before streaming is imported: without transformers and tor
 from streaming import StreamingDataLoader
 from torch.utils.data import DataLoader
 
-from tokstream.errors import NoSpace, UserError
+from tokstream.errors import NoSpace, PeerEnded, UserError
 from tokstream.reader import streaming_door
 from tokstream.reader.token_dataset import TokenDataset
 from tokstream.reader.transfer_ring import TransferRing
@@ -205,7 +205,7 @@ class TokenLoader(StreamingDataLoader):
             for batch in batches:
                 self.num_samples_yielded += len(batch["ids"])
                 yield batch
-        except (UserError, NoSpace) as err:
+        except (UserError, NoSpace, PeerEnded) as err:
             raise _as_the_worker_said(err) from None
         finally:
             self.dataset.ring = None

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tokstream.errors import PeerEnded
 from tokstream.slurm import alone_in_a_bigger_job, ranks_from_srun
 
 
@@ -125,7 +126,7 @@ def exit_when_orphaned(poll_s: float = 1.0) -> None:
 
 def peer_gone(err: BaseException) -> bool:
     """A collective failed because another rank of the job ended (it says why itself): gloo's and NCCL's
-    words for a peer's closed connection."""
-    return isinstance(err, RuntimeError) and any(
+    words for a peer's closed connection; or the reader's node barrier found it ended (PeerEnded)."""
+    return isinstance(err, PeerEnded) or isinstance(err, RuntimeError) and any(
         words in str(err) for words in ("Connection closed by peer", "Connection reset by peer",
                                         "remote process exited or there was a network error"))

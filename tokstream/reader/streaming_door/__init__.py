@@ -41,6 +41,9 @@ def install() -> None:
         internals.install_shuffle(name, whole_epoch(name))
     internals.install_prefix_registration(prefix_registration.get_shm_prefix_claimed)
     internals.install_file_lock()
+    from tokstream.reader import stale_shm
+
+    internals.install_node_barrier(stale_shm.ended_owners, stale_shm.locals_registration)
     internals.install_sized_attach()
 
 

@@ -22,6 +22,9 @@ streaming does not promise to keep:
   `py1e.get_shuffle_py1e_fast` (tokstream/reader/order/), and epoch_order.py's batching, which composes them
   with streaming's own `get_shuffle` and `get_partitions`;
 - `StreamingDataset._share_work`: the epoch's order goes into shared memory without a copy first;
+- `streaming.base.dataset.SharedBarrier`, the class a dataset makes its node barrier from, and that barrier's
+  `num_exit` and `flag`, the fields its wait loops read: NodeBarrier in its place (`install_node_barrier`), whose
+  waits end when a process of the node that read the dataset ended;
 - `streaming.base.dataset.FileLock` and `streaming.base.shared.barrier.FileLock`, the names a dataset
   creates its barrier's and cache's file locks from (`_shared_barrier.lock`, `_cache_filelock`; the
   barrier's own in streaming-community 0.14): PromptFileLock in their place (`install_file_lock`);
@@ -96,7 +99,7 @@ from streaming.base.format.mds.reader import MDSReader  # noqa: F401  (lean_read
 from streaming.base.world import World
 from torch.utils.data import get_worker_info
 
-from tokstream.errors import NoSpace, UserError, no_space, out_of_space
+from tokstream.errors import NoSpace, PeerEnded, UserError, no_space, out_of_space
 from tokstream.format import index_shards
 
 # The distributions that provide the `streaming` module, and the versions of each these names were read in.
@@ -195,6 +198,61 @@ def install_reader_from_json(reader_from_json) -> None:
 def install_spanner(spanner_class) -> None:
     """Make datasets built from now on use lean_spanner.py's Spanner (install() does)."""
     streaming_dataset_module.Spanner = spanner_class  # the name StreamingDataset.__init__ calls
+
+
+def _looking_for_ended_peers(field: property) -> property:
+    """A field of stock's barrier whose reads, in its wait loops each TICK, also look for a peer that ended."""
+    def read(self):
+        self.stop_if_a_peer_ended()
+        return field.fget(self)
+    return property(read, field.fset, doc=field.__doc__)
+
+
+class NodeBarrier(streaming_barrier_module.SharedBarrier):
+    """streaming's barrier of a node's processes, whose waits end in one line when one of them has ended.
+
+    Every process reading a dataset on a node passes it three times when an iteration starts (each epoch, each
+    evaluation). Stock's waits (`while self.num_exit != num_procs` and `while not self.flag`, a TICK each) have no
+    timeout: a rank that ended just before (a crash, a failed device, an error of its own) left the node's others
+    waiting until killed: 30 s under torchrun (its agent's SIGTERM, which a waiting rank cannot act on, then
+    SIGKILL), until the job's time limit under srun without --kill-on-bad-exit. Those loops read the two fields
+    below; here each read also looks, every LOOK_EVERY_S, at the processes recorded as owners of the dataset's
+    registration on this node (stale_shm.py), and raises PeerEnded when one of them has released it or was killed.
+    Stock's protocol is unchanged.
+    """
+
+    ended_owners = staticmethod(lambda prefix, registration: [])  # install_node_barrier's: stale_shm.ended_owners
+    locals_registration = staticmethod(lambda prefix: None)  # and stale_shm.locals_registration
+
+    def __init__(self, filelock_path: str, shm_name: str) -> None:
+        super().__init__(filelock_path, shm_name)
+        self.prefix = int(os.path.basename(shm_name)[:6])  # _get_path(prefix, BARRIER): "NNNNNN_barrier"
+        self.registration: int | None = None  # the inode of the prefix's locals block at the first look
+        self.next_look = 0.0
+
+    num_exit = _looking_for_ended_peers(streaming_barrier_module.SharedBarrier.num_exit)
+    flag = _looking_for_ended_peers(streaming_barrier_module.SharedBarrier.flag)
+
+    def stop_if_a_peer_ended(self) -> None:
+        if time.monotonic() < self.next_look:
+            return
+        self.next_look = time.monotonic() + LOOK_EVERY_S
+        if self.registration is None:
+            self.registration = self.locals_registration(self.prefix)
+        if self.registration is not None and (ended := self.ended_owners(self.prefix, self.registration)):
+            raise PeerEnded(f"process {', '.join(map(str, ended))}, which read this dataset on this node (another "
+                            f"rank of the job), ended or closed it while this process (pid {os.getpid()}) waited for "
+                            "it at the start of an epoch: the job cannot go on without it; relaunch the job "
+                            "(training resumes from its last checkpoint)")
+
+
+LOOK_EVERY_S = 0.2  # a look is a glob of /dev/shm and a read of /proc/PID/stat per owner: well under a millisecond
+
+
+def install_node_barrier(ended_owners, locals_registration) -> None:
+    NodeBarrier.ended_owners = staticmethod(ended_owners)
+    NodeBarrier.locals_registration = staticmethod(locals_registration)
+    streaming_dataset_module.SharedBarrier = NodeBarrier  # the name StreamingDataset.__init__ makes its barrier from
 
 
 def install_file_lock() -> None:
