@@ -413,8 +413,17 @@ MUTATIONS = [
              ("tests/test_reader_api.py", "-k", "ends_before_an_epoch and fails")),
     Mutation("node barrier: a closed reader's live process still awaited", "a rank that closed its reader before "
              "an epoch starts ends its node's others in one line", "tokstream/reader/stale_shm.py",
-             "            if released or _start_time(pid) != start", "            if _start_time(pid) != start",
+             "== registration and (released or _ended(", "== registration and (_ended(",
              ("tests/test_reader_api.py", "-k", "ends_before_an_epoch and closes")),
+    Mutation("node barrier: a rank of another pid namespace judged by its pid", "ranks in containers of their own "
+             "that share /dev/shm read on together", "tokstream/reader/stale_shm.py",
+             "    if record and record[1] is not None and _PID_NAMESPACE is not None and record[1] != _PID_NAMESPACE:",
+             "    if False:", ("tests/test_reader_api.py", "-k", "cannot_see")),
+    Mutation("node barrier: released records go with the first rank's blocks", "the node's first rank failing "
+             "before an epoch starts ends the node's others in one line", "tokstream/reader/stale_shm.py",
+             "        if released and (name.partition(\"_\")[0], _recorded_inode(name)) not in held:",
+             "        if released and _recorded_inode(name) != locals_registration(int(name.partition(\"_\")[0])):",
+             ("tests/test_reader_api.py", "-k", "ends_before_an_epoch and fails-0-0")),
     Mutation("stale blocks: a zombie owner taken as running", "a rank killed before an epoch starts ends its node's "
              "others, also before its parent reaps it", "tokstream/reader/stale_shm.py",
              'return None if fields[0] in ("Z", "X") else int(fields[19])', "return int(fields[19])",

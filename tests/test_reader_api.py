@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import ROOT, split_samples
@@ -116,7 +117,7 @@ def test_the_state_rank_0_saves_after_another_rank_closed_is_the_whole_position(
 
 ENDED_PEER = """
 import os, sys
-rank, store, data, workers, ending = sys.argv[1:]
+rank, store, data, workers, ending, ender = sys.argv[1:]
 os.environ.update(RANK=rank, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", LOCAL_RANK=rank)
 import torch.distributed as dist
 from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
@@ -125,42 +126,68 @@ batches = TrainBatches(open_dataset(DataConfig(remote=data, num_workers=int(work
 for _ in range(5):  # the first epoch: 40 samples, 20 a rank
     next(batches)
 print("read", flush=True)
-if rank == "1" and ending == "fails":
-    raise RuntimeError("an error of rank 1's own")  # an ordinary exit: its reader is released on the way out
-if rank == "1" and ending == "closes":
+if rank == ender and ending == "fails":
+    raise RuntimeError("an error of its own")  # an ordinary exit: its reader is released on the way out
+if rank == ender and ending == "closes":
     batches.close()  # and lives on
-sys.stdin.readline()  # rank 1 is killed here (or ends with the test); rank 0 reads on once it is
+sys.stdin.readline()  # the ender is killed here (or ends with the test); the other reads on once it is
 next(batches)  # the next epoch's start
+print("next epoch", flush=True)
 """
 
 
-@pytest.mark.parametrize("ending, workers", [("killed", 0), ("fails", 0), ("fails", 1), ("closes", 0)])
+def start_ranks(ranks: list[list[str]], data: str, tmp_path, workers: int, ending: str, ender: int):
+    return [subprocess.Popen([*launch, sys.executable, "-c", ENDED_PEER, str(rank), str(tmp_path / "store"), data,
+                              str(workers), ending, str(ender)], cwd=ROOT, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank, launch in enumerate(ranks)]
+
+
+@pytest.mark.parametrize("ending, workers, ender", [("killed", 0, 1), ("fails", 1, 1), ("closes", 0, 1),
+                                                    ("fails", 0, 0), ("killed", 1, 0)])
 def test_a_rank_that_ends_before_an_epoch_starts_ends_its_node_peer_instead_of_leaving_it_waiting(
-        mixture, tmp_path, ending, workers):
+        mixture, tmp_path, ending, workers, ender):
     """Every process reading on a node waits for the others at streaming's barrier when an epoch starts (the rank
     itself, or its DataLoader worker); stock waits for ever for one that has ended (until torchrun's SIGKILL, or the
     job's time limit under srun). Here the waiting rank stops with one line naming the one that ended: killed (a
-    zombie until the test reaps it), ended by an error of its own, or that closed its reader and lives on."""
-    root = mixture.streams[0].remote
-    ranks = [subprocess.Popen([sys.executable, "-c", ENDED_PEER, str(rank), str(tmp_path / "store"), root,
-                               str(workers), ending], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    zombie until the test reaps it), ended by an error of its own, or that closed its reader and lives on; the
+    node's first rank (which made the node's blocks, and may take them with it) as well as another."""
+    ranks = start_ranks([[], []], mixture.streams[0].remote, tmp_path, workers, ending, ender)
+    ended, waiting = ranks[ender], ranks[1 - ender]
     try:
         assert [rank.stdout.readline() for rank in ranks] == ["read\n"] * 2
         if ending == "killed":
-            ranks[1].kill()  # not waited for: a zombie until the end of the test
-        _, stderr = ranks[0].communicate("\n", timeout=60)  # stock: no end (the block below is its failure)
-        assert ranks[0].returncode == 1, stderr[-3000:]
-        assert (f"tokstream.errors.PeerEnded: process {ranks[1].pid}, which read this dataset on this node (another "
+            ended.kill()  # not waited for: a zombie until the end of the test
+        _, stderr = waiting.communicate("\n", timeout=60)  # stock: no end (the block below is its failure)
+        assert waiting.returncode == 1, stderr[-3000:]
+        assert (f"tokstream.errors.PeerEnded: process {ended.pid}, which read this dataset on this node (another "
                 "rank of the job), ended or closed it while this process") in stderr, stderr[-3000:]
-        if ending == "fails":  # its record, kept as released while rank 0 held the blocks, went with them
-            assert not list(SHM_DIR.glob(f"*_{OWNER_MARK}.{ranks[1].pid}.*"))
+        if ending == "fails":  # its record, kept as released while the other held the dataset, went with it
+            assert not list(SHM_DIR.glob(f"*_{OWNER_MARK}.{ended.pid}.*"))
     finally:
         for rank in ranks:
             rank.kill()
             rank.communicate()
-        for record in SHM_DIR.glob(f"*_{OWNER_MARK}.{ranks[1].pid}.*"):  # what the killed one left
+        for record in SHM_DIR.glob(f"*_{OWNER_MARK}.{ended.pid}.*"):  # what the killed one left
             record.unlink()
+
+
+def test_ranks_whose_pids_the_other_cannot_see_still_read_on_together(mixture, tmp_path):
+    """Ranks of one node in containers of their own that share /dev/shm (each its own pid namespace): a rank's
+    pid, read in the other's /proc, names another process or none. Neither is taken as ended, also while one
+    waits for the other long enough to look."""
+    unshare = ["unshare", "--pid", "--fork", "--mount-proc"]
+    if subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare cannot make a pid namespace here (it needs root)")
+    ranks = start_ranks([[], unshare], mixture.streams[0].remote, tmp_path, 0, "none", -1)
+    assert [rank.stdout.readline() for rank in ranks] == ["read\n"] * 2
+    for rank in ranks:  # the first reads on, and waits at the epoch's start for the other, which comes later
+        rank.stdin.write("\n")
+        rank.stdin.flush()
+        time.sleep(1)
+    outputs = [rank.communicate(timeout=60) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert [out for out, _ in outputs] == ["next epoch\n"] * 2
 
 
 def test_close_ends_the_dataloader_workers(mixture):
@@ -281,7 +308,6 @@ def test_a_closed_reader_gives_back_its_shared_memory_and_its_s3_data_opens_agai
     for it have ended: moments later); the same S3 data then opens again in the same order."""
     import gc
     import os
-    import time
     from conftest import BUCKET
     from test_interruptions import upload
 

@@ -29,8 +29,8 @@ class DamagedData(UserError):
 
 
 class PeerEnded(RuntimeError):
-    """A process that read the same dataset on this node (another rank) ended without closing it while this one
-    waited for it at the start of an epoch: the node's barrier can no longer fill, and the job cannot go on."""
+    """A process that read the same dataset on this node (another rank) ended or closed it while this one waited
+    for it at the start of an epoch: the node's barrier can no longer fill, and the job cannot go on."""
 
 
 class NoSpace(Exception):

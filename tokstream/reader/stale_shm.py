@@ -22,7 +22,8 @@ removed too.
 
 The same records tell the node's barrier (streaming_internals.NodeBarrier) that a rank has ended: a
 process that lets its reader go renames its record `....released` (`release_owner`) rather than
-removing it, until the registration's blocks are gone, and a killed one leaves its record in place.
+removing it, until no owner of that registration is left, and a killed one leaves its record in place.
+Each record also holds its process's pid namespace: a process of another one is never judged by pid.
 """
 
 import os
@@ -57,15 +58,42 @@ def record_owner(prefix: int) -> Path | None:
     if not SHM_DIR.is_dir() or start is None or locals_inode is None:
         return None
     path = SHM_DIR / f"{prefix:06d}_{OWNER_MARK}.{os.getpid()}.{start}"
-    path.write_text(str(locals_inode))
+    path.write_text(f"{locals_inode} {_PID_NAMESPACE or ''}")
     return path
 
 
-def _recorded_inode(name: str) -> int | None:
+def _pid_namespace() -> int | None:
+    """Which pid namespace this process's pids are read in (None: unknown)."""
     try:
-        return int((SHM_DIR / name).read_text())
-    except (OSError, ValueError):  # gone meanwhile, or written by a version that recorded no inode
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
         return None
+
+
+_PID_NAMESPACE = _pid_namespace()
+
+
+def _record(name: str) -> tuple[int, int | None] | None:
+    """What a record holds: the inode of the `locals` block it was recorded for, and its process's pid namespace
+    (None: not recorded, by an older version)."""
+    try:
+        fields = (SHM_DIR / name).read_text().split()
+        return int(fields[0]), int(fields[1]) if len(fields) > 1 else None
+    except (OSError, ValueError, IndexError):  # gone meanwhile, being written, or without an inode (older versions)
+        return None
+
+
+def _recorded_inode(name: str) -> int | None:
+    return None if (record := _record(name)) is None else record[0]
+
+
+def _ended(name: str, pid: int, start: int) -> bool:
+    """Whether the process of a record no longer runs. One of another pid namespace (ranks in containers of their
+    own that share /dev/shm) is never taken as ended: its pid means another process here, or none."""
+    record = _record(name)
+    if record and record[1] is not None and _PID_NAMESPACE is not None and record[1] != _PID_NAMESPACE:
+        return False
+    return _start_time(pid) != start
 
 
 def locals_registration(prefix: int) -> int | None:
@@ -76,24 +104,27 @@ def locals_registration(prefix: int) -> int | None:
 def ended_owners(prefix: int, registration: int) -> list[int]:
     """The processes recorded as owners of registration `registration` of the prefix that have ended: released it
     (closed their reader, or exited), or were killed with their record in place. None of them comes back to it (a
-    process that opens the dataset again gets a registration of its own), so the prefix's barrier cannot fill.
-
-    Read by pid: the ranks of a node share a pid namespace (torchrun and srun start them in one container), as
-    the stale blocks' removal below also assumes."""
+    process that opens the dataset again gets a registration of its own), so the prefix's barrier cannot fill."""
     ended = []
-    for path in SHM_DIR.glob(f"{prefix:06d}_{OWNER_MARK}.*"):
-        released = path.name.endswith(RELEASED)
-        match = _OWNER.match(path.name.removesuffix(RELEASED))
-        if match and _recorded_inode(path.name) == registration:
-            pid, start = int(match.group(2)), int(match.group(3))
-            if released or _start_time(pid) != start and path.exists():  # not released (renamed) just now
-                ended.append(pid)
+    for name, pid, start, released in _records(f"{prefix:06d}"):
+        if _recorded_inode(name) == registration and (released or _ended(name, pid, start)
+                                                      and (SHM_DIR / name).exists()):  # not released just now
+            ended.append(pid)
     return sorted(ended)
 
 
+def _records(prefix: str = "[0-9]*") -> list[tuple[str, int, int, bool]]:
+    """The owner records of `prefix` (or of every prefix): (name, pid, start time, released)."""
+    found = []
+    for path in SHM_DIR.glob(f"{prefix}_{OWNER_MARK}.*"):
+        if match := _OWNER.match(path.name.removesuffix(RELEASED)):
+            found.append((path.name, int(match.group(2)), int(match.group(3)), path.name.endswith(RELEASED)))
+    return found
+
+
 def release_owner(path: Path | None, owner_pid: int) -> None:
-    """Mark the record released (`ended_owners` reads it: its barrier's waiters stop); the records of a registration
-    whose blocks are gone go at once."""
+    """Mark the record released (`ended_owners` reads it: its barrier's waiters stop); the released records of a
+    registration go when none of its owners is left."""
     if path is None or os.getpid() != owner_pid:  # not in a DataLoader worker's copy of the dataset
         return
     try:
@@ -107,10 +138,15 @@ RELEASED = ".released"
 
 
 def drop_spent_releases(prefix: str = "[0-9]*") -> None:
-    """Unlink the released records (of `prefix`, or every one) whose registration's blocks are gone."""
-    for path in SHM_DIR.glob(f"{prefix}_{OWNER_MARK}.*{RELEASED}"):
-        if _recorded_inode(path.name) != _inode(SHM_DIR / f"{path.name.partition('_')[0]}_{LOCALS_BLOCK}"):
-            path.unlink(missing_ok=True)
+    """Unlink the released records (of `prefix`, or every one) of registrations that no running process still
+    holds: nobody is left to wait for their processes. Each process renames its own record before it looks, so
+    of ranks releasing together, the last to look removes them all."""
+    records = _records(prefix)
+    held = {(name.partition("_")[0], _recorded_inode(name)) for name, pid, start, released in records
+            if not released and not _ended(name, pid, start)}
+    for name, _, _, released in records:
+        if released and (name.partition("_")[0], _recorded_inode(name)) not in held:
+            (SHM_DIR / name).unlink(missing_ok=True)
 
 
 def mapped_shm_inodes() -> set[int]:
@@ -154,7 +190,7 @@ def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
             owners.setdefault(match.group(1), []).append((path.name, int(match.group(2)), int(match.group(3))))
     for prefix, recorded in owners.items():
         if prefix not in blocks:  # the blocks went without their owners' records (those were killed): ours, spent
-            _unlink([name for name, pid, start in recorded if _start_time(pid) != start])
+            _unlink([name for name, pid, start in recorded if _ended(name, pid, start)])
     candidates = {}
     for prefix, names in blocks.items():
         try:
@@ -172,9 +208,9 @@ def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
         recorded, earlier = [], []
         for record in owners.get(prefix, []):
             (recorded if _recorded_inode(record[0]) == locals_inode else earlier).append(record)
-        _unlink([name for name, pid, start in earlier if _start_time(pid) != start])
+        _unlink([name for name, pid, start in earlier if _ended(name, pid, start)])
         if recorded:
-            in_use = any(_start_time(pid) == start for _, pid, start in recorded)
+            in_use = any(not _ended(name, pid, start) for name, pid, start in recorded)
         else:
             mapped = mapped_shm_inodes() if mapped is None else mapped
             in_use = any(_inode(SHM_DIR / name) in mapped for name in names)

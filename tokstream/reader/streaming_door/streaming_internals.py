@@ -22,9 +22,9 @@ streaming does not promise to keep:
   `py1e.get_shuffle_py1e_fast` (tokstream/reader/order/), and epoch_order.py's batching, which composes them
   with streaming's own `get_shuffle` and `get_partitions`;
 - `StreamingDataset._share_work`: the epoch's order goes into shared memory without a copy first;
-- `streaming.base.dataset.SharedBarrier`, the class a dataset makes its node barrier from, and that barrier's
-  `num_exit` and `flag`, the fields its wait loops read: NodeBarrier in its place (`install_node_barrier`), whose
-  waits end when a process of the node that read the dataset ended;
+- `streaming.base.dataset.SharedBarrier`, the class a dataset makes its node barrier from, and its protocol on
+  its shared fields (`num_enter`, `num_exit`, `flag`, `lock`): NodeBarrier in its place (`install_node_barrier`),
+  the same protocol, whose waits end when a process of the node that read the dataset has ended;
 - `streaming.base.dataset.FileLock` and `streaming.base.shared.barrier.FileLock`, the names a dataset
   creates its barrier's and cache's file locks from (`_shared_barrier.lock`, `_cache_filelock`; the
   barrier's own in streaming-community 0.14): PromptFileLock in their place (`install_file_lock`);
@@ -200,25 +200,19 @@ def install_spanner(spanner_class) -> None:
     streaming_dataset_module.Spanner = spanner_class  # the name StreamingDataset.__init__ calls
 
 
-def _looking_for_ended_peers(field: property) -> property:
-    """A field of stock's barrier whose reads, in its wait loops each TICK, also look for a peer that ended."""
-    def read(self):
-        self.stop_if_a_peer_ended()
-        return field.fget(self)
-    return property(read, field.fset, doc=field.__doc__)
-
-
 class NodeBarrier(streaming_barrier_module.SharedBarrier):
     """streaming's barrier of a node's processes, whose waits end in one line when one of them has ended.
 
     Every process reading a dataset on a node passes it three times when an iteration starts (each epoch, each
-    evaluation). Stock's waits (`while self.num_exit != num_procs` and `while not self.flag`, a TICK each) have no
-    timeout: a rank that ended just before (a crash, a failed device, an error of its own) left the node's others
-    waiting until killed: 30 s under torchrun (its agent's SIGTERM, which a waiting rank cannot act on, then
-    SIGKILL), until the job's time limit under srun without --kill-on-bad-exit. Those loops read the two fields
-    below; here each read also looks, every LOOK_EVERY_S, at the processes recorded as owners of the dataset's
-    registration on this node (stale_shm.py), and raises PeerEnded when one of them has released it or was killed.
-    Stock's protocol is unchanged.
+    evaluation). Stock's two waits (for the last barrier's stragglers to leave, then for everyone to arrive) poll
+    each TICK without a timeout: a rank that ended just before (a crash, a failed device, an error of its own) left
+    the node's others waiting until killed: 30 s under torchrun (its agent's SIGTERM, which a waiting rank cannot
+    act on, then SIGKILL), until the job's time limit under srun without --kill-on-bad-exit. Here each wait also
+    looks, every LOOK_EVERY_S, at the processes recorded as owners of the dataset's registration on this node
+    (stale_shm.py), and raises PeerEnded when one has released it or was killed and the wait is still on.
+
+    `__call__` is stock's protocol on stock's shared fields (0.13 and community 0.14 alike): processes of a node
+    that run the stock class and this one still meet. Only the waits differ.
     """
 
     ended_owners = staticmethod(lambda prefix, registration: [])  # install_node_barrier's: stale_shm.ended_owners
@@ -227,23 +221,45 @@ class NodeBarrier(streaming_barrier_module.SharedBarrier):
     def __init__(self, filelock_path: str, shm_name: str) -> None:
         super().__init__(filelock_path, shm_name)
         self.prefix = int(os.path.basename(shm_name)[:6])  # _get_path(prefix, BARRIER): "NNNNNN_barrier"
-        self.registration: int | None = None  # the inode of the prefix's locals block at the first look
-        self.next_look = 0.0
+        # The inode of the prefix's locals block, registered (or attached to) just before the dataset makes its
+        # barrier: the node's first rank may take the block with it when it ends. Workers inherit it.
+        self.registration = self.locals_registration(self.prefix)
 
-    num_exit = _looking_for_ended_peers(streaming_barrier_module.SharedBarrier.num_exit)
-    flag = _looking_for_ended_peers(streaming_barrier_module.SharedBarrier.flag)
+    def __call__(self, num_procs: int) -> None:
+        with self.lock:
+            if self.num_exit == -1:  # the first use: the number of processes is set once
+                self.num_exit = num_procs
+        self.lock.acquire()
+        if self.num_enter == 0:  # the first to arrive: wait for the last barrier's processes to have left it
+            self.lock.release()
+            self.wait_while(lambda: self.num_exit != num_procs)
+            self.lock.acquire()
+            self.flag = False  # then close the gate
+        self.num_enter += 1
+        if self.num_enter == num_procs:  # the last to arrive: reset the counts and open the gate
+            self.num_enter = 0
+            self.num_exit = 0
+            self.flag = True
+        self.lock.release()
+        self.wait_while(lambda: not self.flag)
+        with self.lock:
+            self.num_exit += 1
+            if self.num_exit == num_procs:
+                self.num_exit = -1
 
-    def stop_if_a_peer_ended(self) -> None:
-        if time.monotonic() < self.next_look:
-            return
-        self.next_look = time.monotonic() + LOOK_EVERY_S
-        if self.registration is None:
-            self.registration = self.locals_registration(self.prefix)
-        if self.registration is not None and (ended := self.ended_owners(self.prefix, self.registration)):
-            raise PeerEnded(f"process {', '.join(map(str, ended))}, which read this dataset on this node (another "
-                            f"rank of the job), ended or closed it while this process (pid {os.getpid()}) waited for "
-                            "it at the start of an epoch: the job cannot go on without it; relaunch the job "
-                            "(training resumes from its last checkpoint)")
+    def wait_while(self, waiting) -> None:
+        next_look = time.monotonic() + LOOK_EVERY_S
+        while waiting():
+            time.sleep(TICK)
+            if time.monotonic() < next_look or self.registration is None:
+                continue
+            next_look = time.monotonic() + LOOK_EVERY_S
+            # Still waiting after the look: one who ended after the wait was over is not this barrier's concern.
+            if (ended := self.ended_owners(self.prefix, self.registration)) and waiting():
+                raise PeerEnded(f"process {', '.join(map(str, ended))}, which read this dataset on this node "
+                                f"(another rank of the job), ended or closed it while this process (pid "
+                                f"{os.getpid()}) waited for it at the start of an epoch: the job cannot go on "
+                                "without it; relaunch the job (training resumes from its last checkpoint)")
 
 
 LOOK_EVERY_S = 0.2  # a look is a glob of /dev/shm and a read of /proc/PID/stat per owner: well under a millisecond
