@@ -424,6 +424,11 @@ MUTATIONS = [
              "        if released and (name.partition(\"_\")[0], _recorded_inode(name)) not in held:",
              "        if released and _recorded_inode(name) != locals_registration(int(name.partition(\"_\")[0])):",
              ("tests/test_reader_api.py", "-k", "ends_before_an_epoch and fails-0-0")),
+    Mutation("stale blocks: a killed run of another pid namespace kept for ever", "a relaunch after a hard kill "
+             "removes its stale shared memory, also from a container of its own", "tokstream/reader/stale_shm.py",
+             "            in_use = any(_start_time(pid) == start for _, pid, start in recorded)",
+             "            in_use = any(not _ended(name, pid, start) for name, pid, start in recorded)",
+             ("tests/test_stale_shm.py",)),
     Mutation("stale blocks: a zombie owner taken as running", "a rank killed before an epoch starts ends its node's "
              "others, also before its parent reaps it", "tokstream/reader/stale_shm.py",
              'return None if fields[0] in ("Z", "X") else int(fields[19])', "return int(fields[19])",

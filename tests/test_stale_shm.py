@@ -129,3 +129,25 @@ def test_a_dead_owners_record_from_an_earlier_registration_does_not_condemn_the_
     finally:
         for path in blocks + [dead]:
             path.unlink(missing_ok=True)
+
+
+def test_a_killed_run_of_another_pid_namespace_leaves_no_blocks_that_stay_for_ever(tmp_path):
+    """A run in a container of its own (its own pid namespace, the host's /dev/shm) killed hard: its relaunch, in a
+    new container, can never see that namespace again. Its stale blocks go at the relaunch's start, judged by pid."""
+    import subprocess
+    import sys
+
+    from tokstream.reader.stale_shm import OWNER_MARK, _PID_NAMESPACE
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    blocks = [SHM_DIR / f"{PREFIX}_{LOCALS_BLOCK}", SHM_DIR / f"{PREFIX}_barrier"]
+    dead = SHM_DIR / f"{PREFIX}_{OWNER_MARK}.{int(ended.stdout)}.1"
+    try:
+        blocks[0].write_bytes(locals_block([str(tmp_path / "train")], PREFIX))
+        blocks[1].write_bytes(bytes(4096))
+        dead.write_text(f"{blocks[0].stat().st_ino} {(_PID_NAMESPACE or 0) + 12345}")  # another namespace's
+        assert sorted(remove_stale_shared_memory([str(tmp_path / "train")])) == sorted(b.name for b in blocks)
+        assert not any(path.exists() for path in blocks + [dead])
+    finally:
+        for path in blocks + [dead]:
+            path.unlink(missing_ok=True)

@@ -23,7 +23,7 @@ removed too.
 The same records tell the node's barrier (streaming_internals.NodeBarrier) that a rank has ended: a
 process that lets its reader go renames its record `....released` (`release_owner`) rather than
 removing it, until no owner of that registration is left, and a killed one leaves its record in place.
-Each record also holds its process's pid namespace: a process of another one is never judged by pid.
+Each record also holds its process's pid namespace: a waiter never judges a process of another one by pid.
 """
 
 import os
@@ -88,8 +88,10 @@ def _recorded_inode(name: str) -> int | None:
 
 
 def _ended(name: str, pid: int, start: int) -> bool:
-    """Whether the process of a record no longer runs. One of another pid namespace (ranks in containers of their
-    own that share /dev/shm) is never taken as ended: its pid means another process here, or none."""
+    """Whether the process of a record no longer runs, for a barrier's waiter: one of another pid namespace (ranks in
+    containers of their own that share /dev/shm) is never taken as ended, its pid means another process here. (The
+    stale blocks' removal judges by pid alone, as before namespaces were recorded: a relaunch in a new container
+    could never see the killed run's namespace again.)"""
     record = _record(name)
     if record and record[1] is not None and _PID_NAMESPACE is not None and record[1] != _PID_NAMESPACE:
         return False
@@ -190,7 +192,7 @@ def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
             owners.setdefault(match.group(1), []).append((path.name, int(match.group(2)), int(match.group(3))))
     for prefix, recorded in owners.items():
         if prefix not in blocks:  # the blocks went without their owners' records (those were killed): ours, spent
-            _unlink([name for name, pid, start in recorded if _ended(name, pid, start)])
+            _unlink([name for name, pid, start in recorded if _start_time(pid) != start])
     candidates = {}
     for prefix, names in blocks.items():
         try:
@@ -208,9 +210,9 @@ def remove_stale_shared_memory(local_dirs: list[str]) -> list[str]:
         recorded, earlier = [], []
         for record in owners.get(prefix, []):
             (recorded if _recorded_inode(record[0]) == locals_inode else earlier).append(record)
-        _unlink([name for name, pid, start in earlier if _ended(name, pid, start)])
-        if recorded:
-            in_use = any(not _ended(name, pid, start) for name, pid, start in recorded)
+        _unlink([name for name, pid, start in earlier if _start_time(pid) != start])
+        if recorded:  # by pid alone, also a record of another pid namespace: a killed run's container is gone
+            in_use = any(_start_time(pid) == start for _, pid, start in recorded)
         else:
             mapped = mapped_shm_inodes() if mapped is None else mapped
             in_use = any(_inode(SHM_DIR / name) in mapped for name in names)
