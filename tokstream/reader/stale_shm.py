@@ -58,7 +58,9 @@ def record_owner(prefix: int) -> Path | None:
     if not SHM_DIR.is_dir() or start is None or locals_inode is None:
         return None
     path = SHM_DIR / f"{prefix:06d}_{OWNER_MARK}.{os.getpid()}.{start}"
-    path.write_text(f"{locals_inode} {_PID_NAMESPACE or ''}")
+    writing = SHM_DIR / f".{path.name}.writing"  # whole or not there: a waiter reads the namespace in it
+    writing.write_text(f"{locals_inode} {_PID_NAMESPACE or ''}")
+    os.replace(writing, path)
     return path
 
 
