@@ -413,21 +413,21 @@ MUTATIONS = [
              ("tests/test_reader_api.py", "-k", "ends_before_an_epoch and fails")),
     Mutation("node barrier: a closed reader's live process still awaited", "a rank that closed its reader before "
              "an epoch starts ends its node's others in one line", "tokstream/reader/stale_shm.py",
-             "== registration and (released or _ended(", "== registration and (_ended(",
+             "inode == registration and (released or _ended(", "inode == registration and (_ended(",
              ("tests/test_reader_api.py", "-k", "ends_before_an_epoch and closes")),
     Mutation("node barrier: a rank of another pid namespace judged by its pid", "ranks in containers of their own "
              "that share /dev/shm read on together", "tokstream/reader/stale_shm.py",
-             "    if record and record[1] is not None and _PID_NAMESPACE is not None and record[1] != _PID_NAMESPACE:",
+             "    if namespace is not None and _PID_NAMESPACE is not None and namespace != _PID_NAMESPACE:",
              "    if False:", ("tests/test_reader_api.py", "-k", "cannot_see")),
     Mutation("node barrier: released records go with the first rank's blocks", "the node's first rank failing "
              "before an epoch starts ends the node's others in one line", "tokstream/reader/stale_shm.py",
-             "        if released and (name.partition(\"_\")[0], _recorded_inode(name)) not in held:",
+             "        if released and (name.partition(\"_\")[0], inode) not in held:",
              "        if released and _recorded_inode(name) != locals_registration(int(name.partition(\"_\")[0])):",
              ("tests/test_reader_api.py", "-k", "ends_before_an_epoch and fails-0-0")),
     Mutation("stale blocks: a killed run of another pid namespace kept for ever", "a relaunch after a hard kill "
              "removes its stale shared memory, also from a container of its own", "tokstream/reader/stale_shm.py",
              "            in_use = any(_start_time(pid) == start for _, pid, start in recorded)",
-             "            in_use = any(not _ended(name, pid, start) for name, pid, start in recorded)",
+             "            in_use = any(not _ended(pid, start, (_record(name) or (None, None))[1]) for name, pid, start in recorded)",
              ("tests/test_stale_shm.py",)),
     Mutation("stale blocks: a zombie owner taken as running", "a rank killed before an epoch starts ends its node's "
              "others, also before its parent reaps it", "tokstream/reader/stale_shm.py",

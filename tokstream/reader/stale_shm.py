@@ -54,7 +54,7 @@ def _start_time(pid: int) -> int | None:
 def record_owner(prefix: int) -> Path | None:
     """Mark this process as a user of a prefix it registered or attached to; `release_owner` unmarks it."""
     start = _start_time(os.getpid())
-    locals_inode = _inode(SHM_DIR / f"{prefix:06d}_{LOCALS_BLOCK}")
+    locals_inode = locals_registration(prefix)
     if not SHM_DIR.is_dir() or start is None or locals_inode is None:
         return None
     path = SHM_DIR / f"{prefix:06d}_{OWNER_MARK}.{os.getpid()}.{start}"
@@ -89,13 +89,12 @@ def _recorded_inode(name: str) -> int | None:
     return None if (record := _record(name)) is None else record[0]
 
 
-def _ended(name: str, pid: int, start: int) -> bool:
+def _ended(pid: int, start: int, namespace: int | None) -> bool:
     """Whether the process of a record no longer runs, for a barrier's waiter: one of another pid namespace (ranks in
     containers of their own that share /dev/shm) is never taken as ended, its pid means another process here. (The
     stale blocks' removal judges by pid alone, as before namespaces were recorded: a relaunch in a new container
     could never see the killed run's namespace again.)"""
-    record = _record(name)
-    if record and record[1] is not None and _PID_NAMESPACE is not None and record[1] != _PID_NAMESPACE:
+    if namespace is not None and _PID_NAMESPACE is not None and namespace != _PID_NAMESPACE:
         return False
     return _start_time(pid) != start
 
@@ -110,19 +109,21 @@ def ended_owners(prefix: int, registration: int) -> list[int]:
     (closed their reader, or exited), or were killed with their record in place. None of them comes back to it (a
     process that opens the dataset again gets a registration of its own), so the prefix's barrier cannot fill."""
     ended = []
-    for name, pid, start, released in _records(f"{prefix:06d}"):
-        if _recorded_inode(name) == registration and (released or _ended(name, pid, start)
-                                                      and (SHM_DIR / name).exists()):  # not released just now
+    for name, pid, start, released, (inode, namespace) in _records(f"{prefix:06d}"):
+        if inode == registration and (released or _ended(pid, start, namespace)
+                                      and (SHM_DIR / name).exists()):  # not released just now
             ended.append(pid)
     return sorted(ended)
 
 
-def _records(prefix: str = "[0-9]*") -> list[tuple[str, int, int, bool]]:
-    """The owner records of `prefix` (or of every prefix): (name, pid, start time, released)."""
+def _records(prefix: str = "[0-9]*") -> list[tuple[str, int, int, bool, tuple[int | None, int | None]]]:
+    """The owner records of `prefix` (or of every prefix): (name, pid, start time, released, (the locals inode
+    recorded, the pid namespace recorded))."""
     found = []
     for path in SHM_DIR.glob(f"{prefix}_{OWNER_MARK}.*"):
         if match := _OWNER.match(path.name.removesuffix(RELEASED)):
-            found.append((path.name, int(match.group(2)), int(match.group(3)), path.name.endswith(RELEASED)))
+            found.append((path.name, int(match.group(2)), int(match.group(3)), path.name.endswith(RELEASED),
+                          _record(path.name) or (None, None)))
     return found
 
 
@@ -146,10 +147,10 @@ def drop_spent_releases(prefix: str = "[0-9]*") -> None:
     holds: nobody is left to wait for their processes. Each process renames its own record before it looks, so
     of ranks releasing together, the last to look removes them all."""
     records = _records(prefix)
-    held = {(name.partition("_")[0], _recorded_inode(name)) for name, pid, start, released in records
-            if not released and not _ended(name, pid, start)}
-    for name, _, _, released in records:
-        if released and (name.partition("_")[0], _recorded_inode(name)) not in held:
+    held = {(name.partition("_")[0], inode) for name, pid, start, released, (inode, namespace) in records
+            if not released and not _ended(pid, start, namespace)}
+    for name, _, _, released, (inode, _) in records:
+        if released and (name.partition("_")[0], inode) not in held:
             (SHM_DIR / name).unlink(missing_ok=True)
 
 
