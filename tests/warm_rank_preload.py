@@ -5,12 +5,15 @@ from tokstream.train.cpu_dispatch import prefer_avx2_sort
 
 prefer_avx2_sort()  # before numpy, as train/main.py does
 
-try:
-    import torch._dynamo  # noqa: F401  (torch.optim's first step imports it)
+from tokstream.train.process_start import start_up_frozen  # noqa: E402
 
-    import tokstream.reader.token_loader  # noqa: F401  (streaming, through the project's deferral)
-    import tokstream.train.config  # noqa: F401
-    import tokstream.train.process_exit  # noqa: F401
-    import tokstream.train.trainer  # noqa: F401
+try:
+    with start_up_frozen():  # as train/main.py imports: the forks then share the frozen objects untouched
+        import torch._dynamo  # noqa: F401  (torch.optim's first step imports it)
+
+        import tokstream.reader.token_loader  # noqa: F401  (streaming, through the project's deferral)
+        import tokstream.train.config  # noqa: F401
+        import tokstream.train.process_exit  # noqa: F401
+        import tokstream.train.trainer  # noqa: F401
 except ImportError as err:
     raise RuntimeError(f"the warm ranks' preload failed: {err}") from err

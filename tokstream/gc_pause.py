@@ -1,5 +1,6 @@
-"""Used by the reader (reader/token_dataset.py) and the split check (split_check.py): Python's cyclic garbage
-collector paused while a dataset's index is read into objects.
+"""Used by the reader (reader/token_dataset.py), the split check (split_check.py) and a rank's start-up
+(train/process_start.py): Python's cyclic garbage collector paused while many long-lived objects are made, here
+a dataset's index read into objects.
 
 Opening a dataset makes a few Python objects per shard (the parsed index.json, streaming's shard readers): at
 27,474 shards (880 M samples of 1,025 tokens) some 800 K of them, all long-lived. Each generational collection

@@ -31,7 +31,12 @@ def main() -> int:
 
     config = load_config(sys.argv[1], sys.argv[2:])  # a mistake in it is said before torch's seconds of imports
     from tokstream.train.process_exit import exit_without_teardown
-    from tokstream.train.trainer import run_job
+    from tokstream.train.process_start import start_up_frozen
+
+    with start_up_frozen():  # torch's imports, never walked by the garbage collector (process_start.py)
+        import torch._dynamo  # noqa: F401  (the optimizer's first call imports it)
+
+        from tokstream.train.trainer import run_job
 
     exit_without_teardown(run_job(config))
 
