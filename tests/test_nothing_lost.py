@@ -46,19 +46,22 @@ def test_an_s3_run_without_latest_and_a_corrupt_newest_checkpoint_resumes_exactl
 
 
 @pytest.mark.long
-def test_a_second_job_on_a_live_run_refuses_in_one_line_and_the_live_job_goes_on(dataset, s3, tmp_path):
+def test_a_second_job_on_a_live_run_refuses_in_one_line_and_the_live_job_goes_on(dataset, proxy, tmp_path):
     """Job A trains; job B is launched on the same run_dir: B finds A's lease, held by a process that
     runs, refuses in one line naming A, and writes nothing. A goes on and, preempted, saves and gives
     its lease back. In S3 (a local run_dir keeps its lease through the same store interface:
-    test_run_lease.py)."""
+    test_run_lease.py). A's store is slow meanwhile (its step 8 upload answered 15 s late: from step 12 A waits
+    for it, live and beating its lease), which leaves B's start-up the CPU A would have trained on."""
     run_dir = f"s3://{BUCKET}/runs/live-{os.getpid()}"
     store = S3RunStore(run_dir, tmp_path / "reader")
+    proxy.slow("PUT", f"/runs/live-{os.getpid()}/ckpt-00000008.pt", seconds=15)
     job_a = training.launch(2, dataset, run_dir, FAST_LEASE, "max_steps=400", "optim.decay_steps=400",
                             f"run_local={tmp_path / 'a'}")
     training.wait_for(lambda: (latest_step(store) or 0) >= 4)
     job_b = training.launch(2, dataset, run_dir, FAST_LEASE, "max_steps=400", "optim.decay_steps=400",
                             f"run_local={tmp_path / 'b'}")
     refused = job_b.communicate(timeout=120)[0]
+    proxy.clear()
     assert job_b.returncode != 0 and job_a.poll() is None
     refusal = [line for line in refused.splitlines() if line.startswith("error:")]
     assert len(refusal) == 1 and refusal[0].startswith(f"error: {run_dir} is in use by a live job (host "), refused

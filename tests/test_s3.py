@@ -394,14 +394,14 @@ def test_training_refuses_a_shard_that_fails_its_hash_after_download(dataset, s3
     body[at] ^= 0x01
     store.put_bytes(f"train/{shard}", bytes(body))
 
-    run = training.launch(2, url, tmp_path / "run", f"data.local={tmp_path / 'cache'}", "max_steps=4")
+    run = training.launch(2, url, tmp_path / "run", f"data.local={tmp_path / 'cache'}", "max_steps=4", warm=True)
     output = run.communicate(timeout=180)[0]
     assert run.returncode != 0, output[-3000:]
     damaged = (f"error: shard {url}/train/{shard} does not match its xxh64 hash in index.json once downloaded: the "
                f"dataset is damaged; python convert/verify.py {url} checks every shard, reconverting repairs it")
     errors = re.findall(r"error: .*", output)  # a progress bar may stand before one on its line
     assert damaged in errors and set(errors) <= {damaged, PEER_ENDED}, output[-3000:]
-    assert "[rank0]:" not in output and "[rank1]:" not in output  # no rank's traceback (torchrun tags them)
+    assert "Traceback" not in output  # from no rank
     assert not training.metrics(tmp_path / "run")  # not one step trained on it
 
 
@@ -498,17 +498,15 @@ def test_a_notice_while_a_relaunch_loads_its_checkpoint_ends_it_at_once_in_one_l
     """A relaunch of an S3 run spends its start-up downloading the checkpoint (GBs for a real model), longer than a
     notice's grace: a SIGTERM then ends the rank at once, exit 75 and one line (nothing was trained, nothing to save),
     not a kill after the grace. The next launch resumes from that checkpoint."""
-    from tokstream.testing.processes import worker_pids
-
     url = f"s3://{BUCKET}/notice-at-start-{os.getpid()}"
     common = ("optim.decay_steps=8", "checkpoint_interval=4", f"run_local={tmp_path / 'local'}")
     training.train(1, dataset, url, *common, "max_steps=4")
     proxy.hold("GET", "/ckpt-00000004.pt", seconds=120)
-    process = training.launch(1, dataset, url, *common, "max_steps=8")
+    process = training.launch(1, dataset, url, *common, "max_steps=8", warm=True)
     training.wait_for(proxy.holding.is_set)
-    os.kill(worker_pids(process.pid)[0], signal.SIGTERM)
+    process.send_signal(signal.SIGTERM)  # to the rank
     output = process.communicate(timeout=60)[0]  # well before the held download would have ended
     assert "preempted (signal 15) while starting: nothing trained in this launch, nothing to save; exiting" in output
-    assert re.search(r"exitcode\s*: 75", output), output[-3000:]
+    assert process.returncode == 75, output[-3000:]
     proxy.clear()
     assert f"resumed from {url}/ckpt-00000004.pt" in training.train(1, dataset, url, *common, "max_steps=8")

@@ -8,7 +8,7 @@ prefer_avx2_sort()  # before numpy, as train/main.py does
 from tokstream.train.process_start import start_up_frozen  # noqa: E402
 
 try:
-    with start_up_frozen():  # as train/main.py imports: the forks then share the frozen objects untouched
+    with start_up_frozen():  # as train/main.py imports: no fork's collection then writes to those objects
         import torch._dynamo  # noqa: F401  (torch.optim's first step imports it)
 
         import tokstream.reader.token_loader  # noqa: F401  (streaming, through the project's deferral)
