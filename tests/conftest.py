@@ -1,6 +1,5 @@
 """Shared fixtures: real documents from ../shared/corpora and helpers to run the CLIs."""
 
-import contextlib
 import functools
 import json
 import os
@@ -26,23 +25,13 @@ os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0:glibc.malloc.tr
 
 from warm_ranks import start_warm_server  # noqa: E402
 
-from tokstream.train.process_start import start_up_frozen  # noqa: E402
-
-COLLECTING = contextlib.ExitStack()  # the test modules' imports (torch's among them), as a rank's start-up
-
 
 def pytest_configure(config):
     """Training runs that no signal reaches fork their ranks from a server that has imported torch once per test
     process (tests/warm_ranks.py): started in each process that runs tests (not in pytest-xdist's controller),
-    before anything here starts multiprocessing's forkserver without it. Such a process imports the test modules
-    with the garbage collector paused, then frozen (tokstream/train/process_start.py), as train/main.py does."""
+    before anything here starts multiprocessing's forkserver without it."""
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
-        COLLECTING.enter_context(start_up_frozen())
         start_warm_server()
-
-
-def pytest_collection_finish(session):
-    COLLECTING.close()
 
 
 def pytest_collection_modifyitems(items):
