@@ -368,6 +368,7 @@ print("ended", len(before), len(workers()), round(time.monotonic() - started, 1)
 batches = iter(loader)
 next(batches)
 print("workers", *workers(), flush=True)
+sys.stdin.readline()  # the test has seen them running (a rank that raised at once could end them first)
 if sys.argv[2] == "raise":
     raise SystemExit(3)  # with the loader alive
 time.sleep(600)
@@ -398,7 +399,8 @@ def test_dataloader_workers_end_with_their_loader_and_with_their_rank(dataset, t
     from conftest import ROOT
 
     rank = subprocess.Popen([sys.executable, "-c", WORKERS_SCRIPT, str(fresh_copy(dataset, tmp_path, "ds")), end, transfers],
-                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
     watchdog = threading.Timer(120, rank.kill)  # a hang fails the test rather than the suite
     watchdog.start()
     workers: list[int] = []
@@ -407,6 +409,8 @@ def test_dataloader_workers_end_with_their_loader_and_with_their_rank(dataset, t
         assert ended[:3] == ["ended", "2", "0"] and float(ended[3]) < 4, ended  # without the 5 s join timeout
         workers = [int(pid) for pid in rank.stdout.readline().split()[1:]]
         assert len(workers) == 2 and all(running(pid) for pid in workers)
+        rank.stdin.write("go\n")
+        rank.stdin.flush()
         if end == "sigkill":
             rank.kill()
         assert rank.wait() == (3 if end == "raise" else -signal.SIGKILL)
