@@ -190,6 +190,66 @@ def test_ranks_whose_pids_the_other_cannot_see_still_read_on_together(mixture, t
     assert [out for out, _ in outputs] == ["next epoch\n"] * 2
 
 
+NOTICED_RANK = """
+import os, signal, sys
+from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
+
+noticed = []
+signal.signal(signal.SIGUSR1, lambda *_: noticed.append(True))  # a loop's own notice handler
+batches = TrainBatches(open_dataset(DataConfig(remote=sys.argv[1])), BatchPlan(8, 4, 1))
+next(batches)
+print("reading", flush=True)
+sys.stdin.readline()  # the test sends the notice to the process group meanwhile
+next(batches)
+batches.close()  # its shared memory released: each block unregistered with the resource tracker
+print("noticed", len(noticed), flush=True)
+"""
+
+
+def test_a_notice_to_every_process_of_a_reading_rank_reaches_only_the_rank(mixture):
+    """Slurm's time-limit notice (`--signal=USR1@180`, the README's recipe) goes to every process of a job step:
+    the rank, and multiprocessing's resource tracker it started for streaming's shared memory. The tracker used to
+    die of it; the one started again in its place printed that resources might leak, and a traceback for each block
+    the rank released afterwards."""
+    import os
+    import signal
+    from pathlib import Path
+
+    from tokstream.testing.processes import descendants
+
+    rank = subprocess.Popen([sys.executable, "-c", NOTICED_RANK, mixture.streams[0].remote], cwd=ROOT,
+                            start_new_session=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline() == "reading\n"
+        trackers = [pid for pid in descendants(rank.pid) if b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(trackers) == 1, trackers
+        os.killpg(rank.pid, signal.SIGUSR1)  # as slurmstepd signals the step's processes
+
+        def tracker_state() -> str:  # the notice held back (pending and blocked), the tracker dead, or neither yet
+            try:
+                status = Path(f"/proc/{trackers[0]}/status").read_text()
+            except OSError:
+                return "gone"
+            fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+            if fields["State"].startswith("Z"):
+                return "gone"
+            held = (int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)) & int(fields["SigBlk"], 16)
+            return "held" if held & (1 << (signal.SIGUSR1 - 1)) else "running"
+
+        deadline = time.monotonic() + 30
+        while tracker_state() == "running" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tracker_state() == "held", "the resource tracker did not hold the notice back"
+        said, errors = rank.communicate("go\n", timeout=120)
+    finally:
+        if rank.poll() is None:
+            os.killpg(rank.pid, signal.SIGKILL)
+            rank.wait()
+    assert rank.returncode == 0 and said == "noticed 1\n", errors[-3000:]
+    assert "leak" not in errors and "Traceback" not in errors, errors[-3000:]
+
+
 def test_close_ends_the_dataloader_workers(mixture):
     dataset = open_dataset(DataConfig(streams=mixture.streams, num_workers=2))
     batches = TrainBatches(dataset, BatchPlan(8, 4, 1))

@@ -8,7 +8,9 @@ same bytes or the same steps as without Slurm.
 import json
 import os
 import re
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,22 +159,72 @@ def launches(run_dir: Path) -> list[dict]:
     return [record["relaunch"] for record in metrics(run_dir) if "relaunch" in record]
 
 
+def rank_pids(run_dir: Path) -> list[int]:
+    """The job's ranks on this node: the train/main.py processes training into `run_dir`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # not a process, or ended
+            continue
+        if len(argv) > 1 and argv[1].endswith(b"train/main.py") and f"run_dir={run_dir}".encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def notice_when(run_dir: Path, ready, send) -> None:
+    """`send()` a notice (or a kill) once `ready()`, the launch's ranks held (SIGSTOP) from their start and let go a
+    few milliseconds at a time until then: steps take milliseconds, so a notice sent as the run goes lands steps
+    later, on a loaded machine after the run's last. They go on once it is pending in each (or they have ended, or
+    Slurm has let them go)."""
+    wait_for(lambda: len(rank_pids(run_dir)) == 2, timeout=240)
+    ranks = rank_pids(run_dir)
+
+    def hold(signum: int) -> None:
+        for pid in ranks:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:  # ended: its status tells the test
+                pass
+
+    def noticed(pid: int) -> bool:
+        try:
+            status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                          if ":\t" in line)
+        except OSError:
+            return True  # ended
+        pending = int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)
+        return bool(pending & ~(1 << (signal.SIGCONT - 1))) or not status["State"].startswith("T")
+
+    hold(signal.SIGSTOP)
+    try:
+        while not ready():
+            assert rank_pids(run_dir), "the ranks ended before the notice"
+            hold(signal.SIGCONT)
+            time.sleep(0.005)
+            hold(signal.SIGSTOP)
+        send()
+        wait_for(lambda: all(noticed(pid) for pid in ranks), timeout=60)
+    finally:
+        hold(signal.SIGCONT)
+
+
 @pytest.mark.long
 def test_a_preempted_job_is_requeued_by_slurm_and_resumes_exactly(slurm, reference, dataset, tmp_path):
     run, log = tmp_path / "run", tmp_path / "job.out"
     job = submit_training(slurm, dataset, run, log)
     # The time limit's notice (--signal=USR1@180, sent now): the ranks save and exit 75; the script requeues.
-    wait_for(lambda: len(metrics(run)) >= 3, timeout=240)
-    slurm.run("scancel", "--signal=USR1", job)
+    notice_when(run, lambda: len(metrics(run)) >= 3, lambda: slurm.run("scancel", "--signal=USR1", job))
     slurm.eligible_now(job, restarts=1)
     # A preemption: scontrol requeue sends SIGTERM, and Slurm requeues the job itself.
-    wait_for(lambda: len(launches(run)) == 1 and len(metrics(run)) >= launches(run)[0]["from_step"] + 3, timeout=240)
-    slurm.run("scontrol", "requeue", job)
+    first_stop = len(metrics(run))
+    notice_when(run, lambda: len(metrics(run)) >= first_stop + 3, lambda: slurm.run("scontrol", "requeue", job))
     slurm.eligible_now(job, restarts=2)
     record = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
     text = log.read_text()
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "2", text[-3000:]
     assert "unfinished (exit 75): requeueing job" in text
+    assert "Traceback" not in text and "leak" not in text, text[-3000:]  # the notices reached the ranks alone
     # Two launches after the first, each from a step the preemption saved, inside the run. (A notice on a step
     # the periodic checkpoint had saved already is marked "restart", not "preemption": docs/loss-spikes.md.)
     resumed = [r["from_step"] for r in launches(run)]
@@ -183,8 +235,7 @@ def test_a_preempted_job_is_requeued_by_slurm_and_resumes_exactly(slurm, referen
 def test_a_job_killed_hard_and_submitted_again_resumes_from_its_last_checkpoint(slurm, reference, dataset, tmp_path):
     run, log = tmp_path / "run", tmp_path / "job.out"
     job = submit_training(slurm, dataset, run, log)
-    wait_for(lambda: (run / "LATEST").exists() and len(metrics(run)) >= 6, timeout=240)
-    slurm.kill_hard(job)
+    notice_when(run, lambda: (run / "LATEST").exists() and len(metrics(run)) >= 6, lambda: slurm.kill_hard(job))
     record = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
     assert record["JobState"] == "FAILED", log.read_text()[-3000:]
     assert "preempted" not in log.read_text()  # no rank saw it coming

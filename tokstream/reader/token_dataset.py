@@ -19,6 +19,7 @@ from tokstream.errors import DamagedData
 from tokstream.gc_pause import collector_paused
 from tokstream.format import parse_column_encoding, shard_sample_count, shard_samples
 from tokstream.reader import streaming_door
+from tokstream.reader.notices import start_resource_tracker
 from tokstream.reader.streaming_door import streaming_internals as internals
 from tokstream.reader.stale_shm import record_owner, release_owner
 from tokstream.reader.transfer_ring import TransferRing
@@ -44,6 +45,7 @@ class TokenDataset(internals.ResumeStateKept, internals.WindowedDownloadAhead):
         """`vocab_sizes`: per stream, the bound on its token ids (its metadata's vocab_size, which training
         has checked is at most the model's): every sample is checked against it as it is read."""
         streaming_door.install()  # before the stock constructor: it builds the lookup and shared memory
+        start_resource_tracker()  # before the stock constructor registers its shared memory with it
         with collector_paused():  # a reader object per shard: tens of thousands (gc_pause.py)
             super().__init__(*args, **kwargs)
         self.vocab_sizes = vocab_sizes

@@ -19,7 +19,6 @@ only ids cross the pipe.
 """
 
 import atexit
-import contextlib
 import multiprocessing
 import os
 import signal
@@ -38,31 +37,12 @@ from torch.utils.data import DataLoader
 
 from tokstream.errors import NoSpace, PeerEnded, UserError
 from tokstream.reader import streaming_door
+from tokstream.reader.notices import NOTICES, notices_held
 from tokstream.reader.token_dataset import TokenDataset
 from tokstream.reader.transfer_ring import TransferRing
 
 # 0.3 ms per hand-off over at least 256 samples: a few percent of a worker's time.
 TRANSFER_SAMPLES = 256
-
-
-# A preemption's notices: the rank's, never its workers'.
-NOTICES = (signal.SIGTERM, signal.SIGUSR1)
-
-
-@contextlib.contextmanager
-def notices_held() -> Iterator[None]:
-    """Notices held back in this thread while it starts a loader's workers. A worker inherits the mask: a notice sent
-    to the rank's process group before the worker ignores it (start_worker) stays pending there and is dropped,
-    where it would kill the worker (torch's handler re-raises SIGTERM's default action) and fail the rank's next
-    batch mid-step. The rank gets its own notice once the workers are started."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signals go to the main thread's handlers; other threads start no rank's workers
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, NOTICES)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def start_worker(worker_id: int) -> None:
