@@ -400,7 +400,7 @@ MUTATIONS = [
     Mutation("resource tracker: notices not blocked at its start", "a Slurm notice reaches the rank alone",
              "tokstream/reader/notices.py", "    previous = signal.pthread_sigmask(signal.SIG_BLOCK, NOTICES)  # in this",
              "    previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # in this",
-             ("tests/test_slurm.py", "-k", "preempted_job_is_requeued")),
+             ("tests/test_reader_api.py", "tests/test_slurm.py", "-k", "notice_to_every or preempted_job_is_requeued")),
     Mutation("start-up: left frozen for the teardown", "a rank that ends with an error exits through a normal teardown",
              "tokstream/train/process_start.py", "    atexit.register(gc.unfreeze)", "    pass",
              ("tests/test_process_start.py",)),

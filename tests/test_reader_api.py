@@ -196,7 +196,7 @@ from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
 
 noticed = []
 signal.signal(signal.SIGUSR1, lambda *_: noticed.append(True))  # a loop's own notice handler
-batches = TrainBatches(open_dataset(DataConfig(remote=sys.argv[1])), BatchPlan(8, 4, 1))
+batches = TrainBatches(open_dataset(DataConfig(remote=sys.argv[1], num_workers=int(sys.argv[2]))), BatchPlan(8, 4, 1))
 next(batches)
 print("reading", flush=True)
 sys.stdin.readline()  # the test sends the notice to the process group meanwhile
@@ -206,27 +206,29 @@ print("noticed", len(noticed), flush=True)
 """
 
 
-def test_a_notice_to_every_process_of_a_reading_rank_reaches_only_the_rank(mixture):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_notice_to_every_process_of_a_reading_rank_reaches_only_the_rank(mixture, workers):
     """Slurm's time-limit notice (`--signal=USR1@180`, the README's recipe) goes to every process of a job step:
-    the rank, and multiprocessing's resource tracker it started for streaming's shared memory. The tracker used to
-    die of it; the one started again in its place printed that resources might leak, and a traceback for each block
-    the rank released afterwards."""
+    the rank, its DataLoader workers, and multiprocessing's resource tracker it started for streaming's shared
+    memory. The tracker used to die of it; the one started again in its place printed that resources might leak,
+    and a traceback for each block the rank released afterwards."""
     import os
     import signal
     from pathlib import Path
 
     from tokstream.testing.processes import descendants
 
-    rank = subprocess.Popen([sys.executable, "-c", NOTICED_RANK, mixture.streams[0].remote], cwd=ROOT,
+    rank = subprocess.Popen([sys.executable, "-c", NOTICED_RANK, mixture.streams[0].remote, str(workers)], cwd=ROOT,
                             start_new_session=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         assert rank.stdout.readline() == "reading\n"
-        trackers = [pid for pid in descendants(rank.pid) if b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        trackers = [pid for pid in descendants(rank.pid)
+                    if b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(trackers) == 1, trackers
         os.killpg(rank.pid, signal.SIGUSR1)  # as slurmstepd signals the step's processes
 
-        def tracker_state() -> str:  # the notice held back (pending and blocked), the tracker dead, or neither yet
+        def tracker_state() -> str:  # deaf to the notice (pending and blocked, or ignored), dead, or neither yet
             try:
                 status = Path(f"/proc/{trackers[0]}/status").read_text()
             except OSError:
@@ -234,13 +236,14 @@ def test_a_notice_to_every_process_of_a_reading_rank_reaches_only_the_rank(mixtu
             fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
             if fields["State"].startswith("Z"):
                 return "gone"
-            held = (int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)) & int(fields["SigBlk"], 16)
-            return "held" if held & (1 << (signal.SIGUSR1 - 1)) else "running"
+            deaf = (int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)) & int(fields["SigBlk"], 16)
+            deaf |= int(fields["SigIgn"], 16)
+            return "deaf" if deaf & (1 << (signal.SIGUSR1 - 1)) else "running"
 
         deadline = time.monotonic() + 30
         while tracker_state() == "running" and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert tracker_state() == "held", "the resource tracker did not hold the notice back"
+        assert tracker_state() == "deaf", "the notice reached the resource tracker"
         said, errors = rank.communicate("go\n", timeout=120)
     finally:
         if rank.poll() is None:

@@ -159,52 +159,70 @@ def launches(run_dir: Path) -> list[dict]:
     return [record["relaunch"] for record in metrics(run_dir) if "relaunch" in record]
 
 
-def rank_pids(run_dir: Path) -> list[int]:
-    """The job's ranks on this node: the train/main.py processes training into `run_dir`."""
+def rank_pids(run_dir: Path) -> list[tuple[int, str]]:
+    """The job's ranks on this node, each as (pid, start time): the train/main.py processes training into
+    `run_dir`."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if len(argv) > 1 and argv[1].endswith(b"train/main.py") and f"run_dir={run_dir}".encode() in argv:
+                found.append((int(entry.name), start_time(int(entry.name))))
         except OSError:  # not a process, or ended
             continue
-        if len(argv) > 1 and argv[1].endswith(b"train/main.py") and f"run_dir={run_dir}".encode() in argv:
-            found.append(int(entry.name))
     return found
 
 
-def notice_when(run_dir: Path, ready, send) -> None:
-    """`send()` a notice (or a kill) once `ready()`, the launch's ranks held (SIGSTOP) from their start and let go a
-    few milliseconds at a time until then: steps take milliseconds, so a notice sent as the run goes lands steps
-    later, on a loaded machine after the run's last. They go on once it is pending in each (or they have ended, or
-    Slurm has let them go)."""
+def start_time(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+
+
+def running(rank: tuple[int, str]) -> bool:
+    """Whether that process (not another that took its pid) is still there, not a zombie."""
+    try:
+        fields = Path(f"/proc/{rank[0]}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[19] == rank[1] and fields[0] != "Z"
+
+
+def notice_when(run_dir: Path, ready, send, signum: int) -> None:
+    """`send()` a notice (or a kill), signal `signum`, once `ready()`, the launch's ranks held (SIGSTOP) from their
+    start and let go 5 ms at a time until then: steps take milliseconds, so a notice sent as the run goes lands steps
+    later, on a loaded machine after the run's last. They go on once `signum` is pending in each (or it has ended,
+    or Slurm has let it go on: its SIGCONT comes with the signal)."""
     wait_for(lambda: len(rank_pids(run_dir)) == 2, timeout=240)
     ranks = rank_pids(run_dir)
 
-    def hold(signum: int) -> None:
-        for pid in ranks:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:  # ended: its status tells the test
-                pass
+    def hold(how: int) -> None:
+        for rank in ranks:
+            if running(rank):
+                try:
+                    os.kill(rank[0], how)
+                except ProcessLookupError:  # ended meanwhile
+                    pass
 
-    def noticed(pid: int) -> bool:
+    def noticed(rank: tuple[int, str]) -> bool:
         try:
-            status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+            status = dict(line.split(":\t", 1) for line in Path(f"/proc/{rank[0]}/status").read_text().splitlines()
                           if ":\t" in line)
         except OSError:
-            return True  # ended
+            return True
         pending = int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)
-        return bool(pending & ~(1 << (signal.SIGCONT - 1))) or not status["State"].startswith("T")
+        return (not running(rank) or bool(pending & (1 << (signum - 1)))
+                or not status["State"].startswith(("T", "t")))
 
+    deadline = time.monotonic() + 240  # well inside pytest's timeout, whose exit would skip the `finally`
     hold(signal.SIGSTOP)
     try:
         while not ready():
-            assert rank_pids(run_dir), "the ranks ended before the notice"
+            assert all(running(rank) for rank in ranks), "a rank ended before the notice"
+            assert time.monotonic() < deadline, "the ranks did not get to the notice's step"
             hold(signal.SIGCONT)
             time.sleep(0.005)
             hold(signal.SIGSTOP)
         send()
-        wait_for(lambda: all(noticed(pid) for pid in ranks), timeout=60)
+        wait_for(lambda: all(noticed(rank) for rank in ranks), timeout=60)
     finally:
         hold(signal.SIGCONT)
 
@@ -214,11 +232,13 @@ def test_a_preempted_job_is_requeued_by_slurm_and_resumes_exactly(slurm, referen
     run, log = tmp_path / "run", tmp_path / "job.out"
     job = submit_training(slurm, dataset, run, log)
     # The time limit's notice (--signal=USR1@180, sent now): the ranks save and exit 75; the script requeues.
-    notice_when(run, lambda: len(metrics(run)) >= 3, lambda: slurm.run("scancel", "--signal=USR1", job))
+    notice_when(run, lambda: len(metrics(run)) >= 3, lambda: slurm.run("scancel", "--signal=USR1", job),
+                signal.SIGUSR1)
     slurm.eligible_now(job, restarts=1)
     # A preemption: scontrol requeue sends SIGTERM, and Slurm requeues the job itself.
     first_stop = len(metrics(run))
-    notice_when(run, lambda: len(metrics(run)) >= first_stop + 3, lambda: slurm.run("scontrol", "requeue", job))
+    notice_when(run, lambda: len(metrics(run)) >= first_stop + 3, lambda: slurm.run("scontrol", "requeue", job),
+                signal.SIGTERM)
     slurm.eligible_now(job, restarts=2)
     record = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
     text = log.read_text()
@@ -235,7 +255,8 @@ def test_a_preempted_job_is_requeued_by_slurm_and_resumes_exactly(slurm, referen
 def test_a_job_killed_hard_and_submitted_again_resumes_from_its_last_checkpoint(slurm, reference, dataset, tmp_path):
     run, log = tmp_path / "run", tmp_path / "job.out"
     job = submit_training(slurm, dataset, run, log)
-    notice_when(run, lambda: (run / "LATEST").exists() and len(metrics(run)) >= 6, lambda: slurm.kill_hard(job))
+    notice_when(run, lambda: (run / "LATEST").exists() and len(metrics(run)) >= 6, lambda: slurm.kill_hard(job),
+                signal.SIGKILL)
     record = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
     assert record["JobState"] == "FAILED", log.read_text()[-3000:]
     assert "preempted" not in log.read_text()  # no rank saw it coming

@@ -1,6 +1,7 @@
 """A preemption's notices (SIGTERM, SIGUSR1) are the rank's alone: it finishes its step and checkpoints. Schedulers
 send them to every process of the rank (Slurm's `--signal=USR1@180` and `scancel --signal` signal each process of
-a job step, a pod's stop the process group), so the processes a rank starts must not die of them."""
+a job step, a pod's stop the process group), so the processes a rank starts must not die of them. (torch.compile's
+compile workers still do: docs/slurm.md.)"""
 
 import contextlib
 import signal
