@@ -176,16 +176,22 @@ def test_ranks_whose_pids_the_other_cannot_see_still_read_on_together(mixture, t
     """Ranks of one node in containers of their own that share /dev/shm (each its own pid namespace): a rank's
     pid, read in the other's /proc, names another process or none. Neither is taken as ended, also while one
     waits for the other long enough to look."""
-    unshare = ["unshare", "--pid", "--fork", "--mount-proc"]
+    unshare = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]  # killing unshare kills the rank
     if subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
         pytest.skip("unshare cannot make a pid namespace here (it needs root)")
     ranks = start_ranks([[], unshare], mixture.streams[0].remote, tmp_path, 0, "none", -1)
-    assert [rank.stdout.readline() for rank in ranks] == ["read\n"] * 2
-    for rank in ranks:  # the first reads on, and waits at the epoch's start for the other, which comes later
-        rank.stdin.write("\n")
-        rank.stdin.flush()
-        time.sleep(1)
-    outputs = [rank.communicate(timeout=60) for rank in ranks]
+    try:
+        assert [rank.stdout.readline() for rank in ranks] == ["read\n"] * 2
+        for rank in ranks:  # the first reads on, and waits at the epoch's start for the other, which comes later
+            rank.stdin.write("\n")
+            rank.stdin.flush()
+            time.sleep(1)
+        outputs = [rank.communicate(timeout=60) for rank in ranks]
+    finally:  # nothing left behind if it failed (a rank waiting for the other would wait for ever)
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.communicate()
     assert [rank.returncode for rank in ranks] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     assert [out for out, _ in outputs] == ["next epoch\n"] * 2
 
