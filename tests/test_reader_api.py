@@ -222,7 +222,7 @@ def test_a_notice_to_every_process_of_a_reading_rank_reaches_only_the_rank(mixtu
     import signal
     from pathlib import Path
 
-    from tokstream.testing.processes import descendants
+    from tokstream.testing.processes import descendants, signal_state
 
     rank = subprocess.Popen([sys.executable, "-c", NOTICED_RANK, mixture.streams[0].remote, str(workers)], cwd=ROOT,
                             start_new_session=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -234,22 +234,11 @@ def test_a_notice_to_every_process_of_a_reading_rank_reaches_only_the_rank(mixtu
         assert len(trackers) == 1, trackers
         os.killpg(rank.pid, signal.SIGUSR1)  # as slurmstepd signals the step's processes
 
-        def tracker_state() -> str:  # deaf to the notice (pending and blocked, or ignored), dead, or neither yet
-            try:
-                status = Path(f"/proc/{trackers[0]}/status").read_text()
-            except OSError:
-                return "gone"
-            fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
-            if fields["State"].startswith("Z"):
-                return "gone"
-            deaf = (int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)) & int(fields["SigBlk"], 16)
-            deaf |= int(fields["SigIgn"], 16)
-            return "deaf" if deaf & (1 << (signal.SIGUSR1 - 1)) else "running"
-
-        deadline = time.monotonic() + 30
-        while tracker_state() == "running" and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30  # until the tracker is deaf to it (held back, or ignored), or has died
+        while signal_state(trackers[0], signal.SIGUSR1) in ("open", "blocked", "pending"):
+            assert time.monotonic() < deadline, "the notice never reached the resource tracker"
             time.sleep(0.01)
-        assert tracker_state() == "deaf", "the notice reached the resource tracker"
+        assert signal_state(trackers[0], signal.SIGUSR1) in ("held", "ignored"), "the notice killed the tracker"
         said, errors = rank.communicate("go\n", timeout=120)
     finally:
         if rank.poll() is None:

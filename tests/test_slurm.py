@@ -20,8 +20,10 @@ from test_training import BASE, STEPS, metrics, trained_steps, wait_for
 
 from tokstream.convert.resume import PART_DONE_FILE
 from tokstream.errors import UserError
+from tokstream.reader.stale_shm import _start_time
 from tokstream.slurm import alone_in_a_bigger_job, array_part, ranks_from_srun, tasks_per_node
 from tokstream.testing.loopback_s3 import free_port
+from tokstream.testing.processes import signal_state, stopped
 
 SLURM = ROOT / "examples" / "slurm"
 
@@ -159,31 +161,23 @@ def launches(run_dir: Path) -> list[dict]:
     return [record["relaunch"] for record in metrics(run_dir) if "relaunch" in record]
 
 
-def rank_pids(run_dir: Path) -> list[tuple[int, str]]:
+def rank_pids(run_dir: Path) -> list[tuple[int, int]]:
     """The job's ranks on this node, each as (pid, start time): the train/main.py processes training into
     `run_dir`."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if len(argv) > 1 and argv[1].endswith(b"train/main.py") and f"run_dir={run_dir}".encode() in argv:
-                found.append((int(entry.name), start_time(int(entry.name))))
         except OSError:  # not a process, or ended
             continue
-    return found
+        if len(argv) > 1 and argv[1].endswith(b"train/main.py") and f"run_dir={run_dir}".encode() in argv:
+            found.append((int(entry.name), _start_time(int(entry.name))))
+    return [(pid, start) for pid, start in found if start is not None]
 
 
-def start_time(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-
-
-def running(rank: tuple[int, str]) -> bool:
+def running(rank: tuple[int, int]) -> bool:
     """Whether that process (not another that took its pid) is still there, not a zombie."""
-    try:
-        fields = Path(f"/proc/{rank[0]}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[19] == rank[1] and fields[0] != "Z"
+    return _start_time(rank[0]) == rank[1]
 
 
 def notice_when(run_dir: Path, ready, send, signum: int) -> None:
@@ -202,15 +196,9 @@ def notice_when(run_dir: Path, ready, send, signum: int) -> None:
                 except ProcessLookupError:  # ended meanwhile
                     pass
 
-    def noticed(rank: tuple[int, str]) -> bool:
-        try:
-            status = dict(line.split(":\t", 1) for line in Path(f"/proc/{rank[0]}/status").read_text().splitlines()
-                          if ":\t" in line)
-        except OSError:
-            return True
-        pending = int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)
-        return (not running(rank) or bool(pending & (1 << (signum - 1)))
-                or not status["State"].startswith(("T", "t")))
+    def noticed(rank: tuple[int, int]) -> bool:
+        return (not running(rank) or signal_state(rank[0], signum) in ("pending", "held", None)
+                or not stopped(rank[0]))
 
     deadline = time.monotonic() + 240  # well inside pytest's timeout, whose exit would skip the `finally`
     hold(signal.SIGSTOP)

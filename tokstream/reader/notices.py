@@ -21,6 +21,13 @@ def notices_held() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # signals go to the main thread's handlers; other threads start no rank's workers
         return
+    with _blocked_in_this_thread():
+        yield
+
+
+@contextlib.contextmanager
+def _blocked_in_this_thread() -> Iterator[None]:
+    """The notices blocked in the calling thread: a process it starts inherits that mask."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, NOTICES)
     try:
         yield
@@ -34,8 +41,5 @@ def start_resource_tracker() -> None:
     and the tracker started again in its place printed a warning that resources might leak and a traceback for each
     block the rank later released. It leaves SIGUSR1 blocked, so a notice stays pending there for ever. A tracker
     already running (started by the user's code) is left as it is."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, NOTICES)  # in this thread, whose mask the tracker inherits
-    try:
+    with _blocked_in_this_thread():  # from any thread: the tracker inherits the mask of the one that starts it
         resource_tracker.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -44,3 +44,31 @@ def kill_tree(*roots: int) -> None:
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass
+
+
+def signal_state(pid: int, signum: int) -> str | None:
+    """How `signum` stands in a process, from /proc/PID/status: "held" (sent and blocked: pending for as long as it
+    blocks it), "pending" (sent, not yet taken: the process stopped, or about to run), "ignored", "blocked" (not
+    sent), or "open"; None if the process has ended (gone, or a zombie)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None
+    status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+    if status["State"].startswith(("Z", "X")):
+        return None
+    bit = 1 << (signum - 1)
+    pending, blocked = (int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)) & bit, int(status["SigBlk"], 16) & bit
+    if int(status["SigIgn"], 16) & bit:
+        return "ignored"
+    if pending:
+        return "held" if blocked else "pending"
+    return "blocked" if blocked else "open"
+
+
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, or a tracer)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
