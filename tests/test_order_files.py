@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT, run_script
 from test_lazy_order import read
 from test_training import tiny_splits
-from warm_ranks import run_warm
+from warm_ranks import WarmPython, run_warm
 
 from tokstream.reader import BatchPlan, DataConfig, SampleOrder, StreamConfig, TrainBatches, open_dataset
 from tokstream.reader.order.lazy import NAME
@@ -247,8 +247,7 @@ def test_builders_racing_for_one_epoch_build_it_once(mixture, tmp_path):
     code = ("import dataclasses, os, sys; from tokstream.reader import DataConfig, SampleOrder, StreamConfig, open_dataset;"
             "config = eval(sys.stdin.readline()); order = SampleOrder(open_dataset(config), 8); print('ready', flush=True);"
             "sys.stdin.readline(); print(os.stat(order.build_order_files(range(4, 5))[0]).st_ino); order.close()")
-    racers = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-              for _ in range(4)]
+    racers = [WarmPython("-c", code, cwd=ROOT) for _ in range(4)]
     for racer in racers:
         racer.stdin.write(repr(files) + "\n")
         racer.stdin.flush()
@@ -368,7 +367,9 @@ def test_an_order_dir_without_room_or_that_is_no_folder_warns_once_and_reads_the
         config = repr(dataclasses.replace(mixture, order_dir=str(order_dir)))
         command = [sys.executable, "-c", READ_SCRIPT, config, str(steps)]
         if run is None:
-            done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
+            reader = WarmPython(*command[1:], cwd=tmp_path)
+            stdout, stderr = reader.communicate(timeout=300)
+            done = subprocess.CompletedProcess(command, reader.returncode, stdout, stderr)
         else:
             if not namespaces_permitted():
                 continue

@@ -18,6 +18,7 @@ import time
 
 import pytest
 from conftest import ROOT, namespaces_permitted
+from warm_ranks import WarmPython
 
 JOB_RANK = """
 import json, os, sys, time
@@ -64,12 +65,10 @@ JOBS, RANKS = 3, 2
 
 def test_jobs_started_together_each_register_their_own_prefix(dataset, tmp_path):
     (tmp_path / "scans").mkdir()
-    processes = {(job, rank): subprocess.Popen(
-        [sys.executable, "-c", JOB_RANK, str(job), str(rank), str(RANKS), str(tmp_path / f"store{job}"),
-         str(tmp_path / "scans"), str(dataset), str(JOBS)],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for job in range(JOBS) for rank in range(RANKS)}
-    # A hang fails the test, not the suite (6 processes importing torch on a loaded machine took 40 s).
+    processes = {(job, rank): WarmPython("-c", JOB_RANK, job, rank, RANKS, tmp_path / f"store{job}", tmp_path / "scans",
+                                         dataset, JOBS, cwd=ROOT)
+                 for job in range(JOBS) for rank in range(RANKS)}
+    # A hang fails the test, not the suite.
     watchdog = threading.Timer(300, lambda: [process.kill() for process in processes.values()])
     watchdog.start()
     try:

@@ -11,6 +11,7 @@ import time
 import pytest
 from conftest import ROOT, split_samples
 from test_training import tiny_splits
+from warm_ranks import WarmPython
 
 from tokstream.errors import UserError
 from tokstream.reader import (BatchPlan, DataConfig, StreamConfig, TrainBatches, eval_batches, open_dataset,
@@ -103,9 +104,7 @@ def test_the_state_rank_0_saves_after_another_rank_closed_is_the_whole_position(
     re-reads the position from the node's shared memory, which that rank had created and took with it: rank 0
     then saved only the samples taken since the resume, and the next resume read them again."""
     root = mixture.streams[0].remote  # 40 samples: 5 steps of 8 an epoch, resumed after 2
-    ranks = [subprocess.Popen([sys.executable, "-c", SAVING_RANK, str(rank), str(tmp_path / "store"), root,
-                               str(after)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
+    ranks = [WarmPython("-c", SAVING_RANK, rank, tmp_path / "store", root, after, cwd=ROOT) for rank in (0, 1)]
     outputs = [rank.communicate(timeout=300) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
     uninterrupted = TrainBatches(open_dataset(DataConfig(remote=root)), BatchPlan(8, 8, 1))
@@ -136,11 +135,14 @@ print("next epoch", flush=True)
 """
 
 
-def start_ranks(ranks: list[list[str]], data: str, tmp_path, workers: int, ending: str, ender: int):
-    return [subprocess.Popen([*launch, sys.executable, "-c", ENDED_PEER, str(rank), str(tmp_path / "store"), data,
-                              str(workers), ending, str(ender)], cwd=ROOT, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for rank, launch in enumerate(ranks)]
+def start_ranks(launches: list[list[str] | None], data: str, tmp_path, workers: int, ending: str, ender: int):
+    """The two ranks: forked warm where the launch is None, else `python -c` after the launch's command (where the
+    case is about that process's own start, exit or namespace)."""
+    args = (tmp_path / "store", data, workers, ending, ender)
+    return [WarmPython("-c", ENDED_PEER, rank, *args, cwd=ROOT) if launch is None else
+            subprocess.Popen([*launch, sys.executable, "-c", ENDED_PEER, str(rank), *map(str, args)], cwd=ROOT,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank, launch in enumerate(launches)]
 
 
 @pytest.mark.parametrize("ending, workers, ender", [("killed", 0, 1), ("fails", 1, 1), ("closes", 0, 1),
@@ -152,7 +154,10 @@ def test_a_rank_that_ends_before_an_epoch_starts_ends_its_node_peer_instead_of_l
     job's time limit under srun). Here the waiting rank stops with one line naming the one that ended: killed (a
     zombie until the test reaps it), ended by an error of its own, or that closed its reader and lives on; the
     node's first rank (which made the node's blocks, and may take them with it) as well as another."""
-    ranks = start_ranks([[], []], mixture.streams[0].remote, tmp_path, workers, ending, ender)
+    launches: list[list[str] | None] = [None, None]
+    if ending != "closes":  # a new interpreter: a zombie once killed, or the interpreter's own exit when it fails
+        launches[ender] = []
+    ranks = start_ranks(launches, mixture.streams[0].remote, tmp_path, workers, ending, ender)
     ended, waiting = ranks[ender], ranks[1 - ender]
     try:
         assert [rank.stdout.readline() for rank in ranks] == ["read\n"] * 2
@@ -179,7 +184,7 @@ def test_ranks_whose_pids_the_other_cannot_see_still_read_on_together(mixture, t
     unshare = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]  # killing unshare kills the rank
     if subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
         pytest.skip("unshare cannot make a pid namespace here (it needs root)")
-    ranks = start_ranks([[], unshare], mixture.streams[0].remote, tmp_path, 0, "none", -1)
+    ranks = start_ranks([None, unshare], mixture.streams[0].remote, tmp_path, 0, "none", -1)
     try:
         assert [rank.stdout.readline() for rank in ranks] == ["read\n"] * 2
         for rank in ranks:  # the first reads on, and waits at the epoch's start for the other, which comes later

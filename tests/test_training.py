@@ -20,7 +20,7 @@ import pytest
 from conftest import ROOT, SHARED, TRAINING_VOCAB, Node, training_tokenizer
 
 from tokstream.errors import UserError
-from warm_ranks import WarmLaunch
+from warm_ranks import WarmLaunch, WarmPython
 from tokstream.train.metrics import read_records
 
 STEPS = 16
@@ -29,20 +29,22 @@ BASE = ["configs/tiny.yaml", f"model.vocab_size={TRAINING_VOCAB}", f"max_steps={
 
 
 def launch(nproc: int, dataset: Path | str | None, run_dir: Path, *overrides: str, torchrun: tuple = (),
-           env: dict | None = None, warm: bool = False) -> subprocess.Popen | WarmLaunch:
-    """torchrun train/main.py on BASE; dataset None: the overrides give a mixture (data.streams) instead.
-    warm: the ranks forked from the test process's warm server instead (tests/warm_ranks.py), for
-    a launch that no signal, kill or restart reaches."""
+           env: dict | None = None, warm: bool = False) -> WarmPython | WarmLaunch:
+    """torchrun train/main.py on BASE, its agent forked from the test process's warm server and its ranks new
+    interpreters, as torchrun starts them; dataset None: the overrides give a mixture (data.streams) instead.
+    warm: the ranks forked from the warm server instead, without torchrun (tests/warm_ranks.py), for a launch that
+    no signal, kill or restart reaches."""
     data = ["data.remote="] if dataset is None else [f"data.remote={dataset}"]
     argv = [*BASE, *data, f"run_dir={run_dir}", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     if warm:
         assert not torchrun, "torchrun's options need torchrun"
         return WarmLaunch(nproc, argv, env, ROOT)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun,
+    # torchrun's agent forked from the warm server too (its ranks are new interpreters, as torchrun starts them); the
+    # demo, the DDP example, the full disk, several nodes and Slurm run torchrun's command line
+    command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun,
                str(ROOT / "train/main.py"), *argv]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return WarmPython(*command, cwd=ROOT, env=env, merged=True, new_session=True)
 
 
 def launch_node(node: int, nodes: int, nproc: int, port: int, *overrides: str, disk: Path) -> Node:

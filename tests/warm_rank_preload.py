@@ -10,6 +10,7 @@ from tokstream.train.process_start import start_up_frozen  # noqa: E402
 try:
     with start_up_frozen():  # as train/main.py imports: no fork's collection then writes to those objects
         import torch._dynamo  # noqa: F401  (torch.optim's first step imports it)
+        import torch.distributed.run  # noqa: F401  (torchrun's agent, tests/test_training.py's launch)
 
         import tokstream.reader.token_loader  # noqa: F401  (streaming, through the project's deferral)
         import tokstream.train.config  # noqa: F401

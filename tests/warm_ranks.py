@@ -9,12 +9,19 @@ rank is a fork of that server: a real process, with the variables torchrun gives
 sent to the launch goes to every rank, as torchrun's agent forwards it; a kill takes every rank's tree.
 
 Not here is torchrun's agent: it restarts nothing, hosts no store, and a rank does not watch it. The tests of
-those, of the agent's own forwarding and death, several nodes and Slurm launch torchrun itself."""
+those, of the agent's own forwarding and death, launch torchrun.
+
+`WarmPython` forks any `python -c` or `python -m` from the same server: torchrun's agent (tests/test_training.py's
+`launch`: torchrun's own code, whose ranks are new interpreters as torchrun starts them; the demo, the DDP example,
+the full disk, several nodes and Slurm run torchrun's command line), and a test's own processes (a rank of a reader
+test: about 2.5 CPU s of imports each) where the test is about what they do together, not how one starts or exits."""
 
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import runpy
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +29,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from pathlib import Path
 
 from tokstream.train.cpu_dispatch import VARIABLE as NUMPY_CHOICE
@@ -165,6 +173,94 @@ def run_warm(script: Path | str, *args, cwd: Path, env: dict | None = None,
     return subprocess.CompletedProcess(command, process.exitcode, said[0], said[1])
 
 
+class WarmPython:
+    """`python *argv` (`-c code *args`, or `-m module *args`) forked from the warm server, as `subprocess.Popen(...,
+    stdin=PIPE, stdout=PIPE, stderr=PIPE, text=True)` has it (`merged`: stderr=STDOUT; `new_session`:
+    start_new_session=True): `pid`, `stdin`, `stdout`, `stderr`, `poll`, `wait`, `communicate`, `kill`, `send_signal`,
+    `returncode`. As a new interpreter it has its `sys.argv` and `sys.path`, its own resource tracker (started when it
+    first needs one) and the interpreter's exit. Not as one: its parent is the server, which reaps it at once (no
+    zombie), torch, torchrun and the project are imported already (the reader's streaming deferral in place), and
+    numpy's sort kernels are those train/main.py chooses (cpu_dispatch.py). Tests of those, of imports, of a notice
+    to a process group or of a process in a namespace of its own start a new interpreter."""
+
+    def __init__(self, *argv, cwd: Path, env: dict | None = None, merged: bool = False, new_session: bool = False):
+        assert argv[0] in ("-c", "-m"), argv
+        self.args = ["warm", *map(str, argv)]
+        pipes = {name: socket.socketpair() for name in ("stdin", "stdout", *(() if merged else ("stderr",)))}
+        ends = [pipes["stdin"][1], pipes["stdout"][1], None if merged else pipes["stderr"][1]]  # the child's
+        self.process = multiprocessing.get_context("forkserver").Process(
+            target=_python, args=(dict(os.environ if env is None else env), self.args[1:], str(cwd), new_session,
+                                  *ends),
+            name=shlex.join(self.args))
+        self.process.start()
+        for end in filter(None, ends):
+            end.close()
+        self.pid = self.process.pid
+        self.stdin = pipes["stdin"][0].makefile("w", encoding="utf-8")
+        self.stdout = pipes["stdout"][0].makefile("r", encoding="utf-8", errors="replace")
+        self.stderr = None if merged else pipes["stderr"][0].makefile("r", encoding="utf-8", errors="replace")
+        for reader, _ in pipes.values():
+            reader.close()  # the files hold the sockets open
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        self.returncode = self.process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, input: str | None = None, timeout: float | None = None) -> tuple[str, str]:
+        """`input` written and stdin closed, then all of stdout and stderr once the process has ended."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.stdin.closed:
+            try:
+                if input:
+                    self.stdin.write(input)
+                self.stdin.close()
+            except BrokenPipeError:  # it ended without reading: as Popen, not an error
+                pass
+        said = {"stderr": None}
+        readers = [threading.Thread(target=lambda name=name: said.update({name: getattr(self, name).read()}),
+                                    daemon=True) for name in ("stdout", "stderr") if getattr(self, name) is not None]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return said["stdout"], said["stderr"]
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _python(env: dict, argv: list[str], cwd: str, new_session: bool, stdin: socket.socket, output: socket.socket,
+            errors: socket.socket | None) -> None:
+    """In the fork of a `WarmPython`: its session and stdin, and a resource tracker of its own (the test process's,
+    which the server hands every fork, is left to the test process), then as a rank."""
+    from multiprocessing import resource_tracker
+
+    if new_session:
+        os.setsid()
+    tracker = resource_tracker._resource_tracker
+    if tracker._fd is not None:
+        os.close(tracker._fd)
+        tracker._fd = tracker._pid = None
+    os.dup2(stdin.fileno(), 0)
+    stdin.close()
+    sys.stdin = open(0, "r", closefd=False)
+    _rank(env, argv, cwd, output, errors)
+
+
 def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket, errors: socket.socket | None = None) -> None:
     """In the fork: the rank's environment, output and threads as torchrun's would be, then the script
     (argv[0]) as `__main__`, and its exit as the interpreter's (its threads joined, its atexit handlers run).
@@ -190,13 +286,21 @@ def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket, errors: s
     # this fork came from: DataLoader workers are forked from the rank, as in a rank torchrun starts.
     multiprocessing.set_start_method(None, force=True)
     sys.path[:] = [entry for entry in sys.path if entry != str(TESTS)]  # the test process's (pytest's): not a rank's
-    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python script` has it
     os.chdir(cwd)
+    # sys.path and sys.argv as `python script`, `python -c code` and `python -m module` have them
+    first = {"-c": "", "-m": os.getcwd()}.get(argv[0], os.path.dirname(os.path.abspath(argv[0])))
+    sys.path.insert(0, first)
+    sys.argv = [argv[0], *argv[2:]] if argv[0] in ("-c", "-m") else list(argv)
     if "OMP_NUM_THREADS" in env:  # read by the server when it imported torch, from its own environment
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    sys.argv = list(argv)
     try:
-        runpy.run_path(argv[0], run_name="__main__")
+        if argv[0] == "-c":
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+        elif argv[0] == "-m":
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
         status = 0
     except SystemExit as done:  # as the interpreter reads it: None is 0, a message is printed and is 1
         status = 0 if done.code is None else done.code
