@@ -99,14 +99,19 @@ def blocks_naming(directory: Path) -> dict[str, int]:
             if any(d.startswith(str(directory)) for d in locals_of_block(p.read_bytes()))}
 
 
-def wait_running(process, condition) -> None:
-    """Wait for `condition`; a launch that ends first fails the test with its output."""
-    def met() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"the launch ended (status {process.returncode}) before the interruption:\n"
-                                 + process.stdout.read()[-4000:])
-        return condition()
-    wait_for(met)
+def wait_running(process, condition, timeout: float = 180) -> None:
+    """Wait for `condition`; a launch that ends first, or that does not meet it in time, fails the test with its
+    output."""
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and not condition():
+        if time.monotonic() > deadline:
+            kill_tree(process.pid)
+            raise AssertionError(f"the launch did not come to its interruption in {timeout:.0f} s:\n"
+                                 + process.communicate(timeout=60)[0][-6000:])
+        time.sleep(0.05)
+    if process.returncode is not None:
+        raise AssertionError(f"the launch ended (status {process.returncode}) before the interruption:\n"
+                             + process.stdout.read()[-4000:])
 
 
 def inode(path: Path) -> int | None:

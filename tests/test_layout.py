@@ -187,9 +187,9 @@ def test_only_scripts_edit_sys_path_and_only_to_put_the_repository_root_first():
     edits = {path: [line.strip() for line in path.read_text().splitlines() if PATH_EDIT.search(line)]
              for path in python_files() if path != ROOT / "tests/test_layout.py"}
     assert edits[ROOT / "train/main.py"]  # the check sees the edits that are there
-    # A warm process stands in for `python script`: it puts the script's folder first, as the interpreter does.
+    # A warm process stands in for `python script`, `-c` and `-m`: it puts first what the interpreter does.
     assert edits.pop(ROOT / "tests/warm_ranks.py") == [
-        "sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as `python script` has it"]
+        'sys.path.insert(0, {"-c": "", "-m": os.getcwd()}.get(argv[0], os.path.dirname(os.path.abspath(argv[0]))))']
     for path, lines in edits.items():
         if path.parent.name in SCRIPT_FOLDERS:
             assert all(line.startswith(ROOT_FIRST) for line in lines), (path, lines)

@@ -30,6 +30,7 @@ import threading
 import time
 import traceback
 import types
+from multiprocessing import reduction
 from pathlib import Path
 
 from tokstream.train.cpu_dispatch import VARIABLE as NUMPY_CHOICE
@@ -65,7 +66,7 @@ class WarmLaunch:
 
     def __init__(self, ranks: int | None, argv: list[str], env: dict, cwd: Path, script: Path = TRAINER):
         self.args = ["warm", str(script), *map(str, argv)]
-        reader, writer = socket.socketpair()
+        reader, writer = os.pipe()  # a pipe, as Popen's: a socket holds far fewer of a rank's small writes
         port = _free_port()
         context = multiprocessing.get_context("forkserver")
         self.processes = []
@@ -75,13 +76,12 @@ class WarmLaunch:
                 rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
                                 WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), ROLE_WORLD_SIZE=str(ranks),
                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            process = context.Process(target=_rank, args=(rank_env, self.args[1:], str(cwd), writer),
+            process = context.Process(target=_rank, args=(rank_env, self.args[1:], str(cwd), _ForChild(writer)),
                                       name=f"rank {rank}")
             process.start()
             self.processes.append(process)
-        writer.close()
-        self.stdout = reader.makefile("r", encoding="utf-8", errors="replace")
-        reader.close()  # the file holds the socket open
+        os.close(writer)
+        self.stdout = open(reader, "r", encoding="utf-8", errors="replace")
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -144,20 +144,21 @@ def run_warm(script: Path | str, *args, cwd: Path, env: dict | None = None,
     for a CLI whose process start is not what the test tests (the ledger, vouch.py, build_orders.py import torch:
     seconds a call, here imported once)."""
     command = [str(Path(cwd, script)), *map(str, args)]
-    pipes = [socket.socketpair() for _ in ("stdout", "stderr")]
+    pipes = [os.pipe() for _ in ("stdout", "stderr")]
     process = multiprocessing.get_context("forkserver").Process(
-        target=_rank, args=(dict(os.environ if env is None else env), command, str(cwd), pipes[0][1], pipes[1][1]))
+        target=_rank, args=(dict(os.environ if env is None else env), command, str(cwd), _ForChild(pipes[0][1]),
+                            _ForChild(pipes[1][1])))
     process.start()
     said: list[str] = ["", ""]
 
-    def read(index: int, reader: socket.socket) -> None:
-        with reader.makefile("r", encoding="utf-8", errors="replace") as file:
+    def read(index: int, file) -> None:
+        with file:
             said[index] = file.read()
 
-    readers = [threading.Thread(target=read, args=(index, reader), daemon=True)
-               for index, (reader, _) in enumerate(pipes)]
-    for (reader, writer), thread in zip(pipes, readers):
-        writer.close()
+    readers = [threading.Thread(target=read, args=(index, open(reader, "r", encoding="utf-8", errors="replace")),
+                                daemon=True) for index, (reader, _) in enumerate(pipes)]
+    for (_, writer), thread in zip(pipes, readers):
+        os.close(writer)
         thread.start()
     process.join(timeout)
     if process.exitcode is None:
@@ -165,11 +166,10 @@ def run_warm(script: Path | str, *args, cwd: Path, env: dict | None = None,
         process.join()
         raise subprocess.TimeoutExpired(command, timeout)
     deadline = time.monotonic() + timeout
-    for (reader, _), thread in zip(pipes, readers):
+    for thread in readers:
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():  # something the process started still holds its output open
             raise subprocess.TimeoutExpired(command, timeout)
-        reader.close()
     return subprocess.CompletedProcess(command, process.exitcode, said[0], said[1])
 
 
@@ -186,21 +186,20 @@ class WarmPython:
     def __init__(self, *argv, cwd: Path, env: dict | None = None, merged: bool = False, new_session: bool = False):
         assert argv[0] in ("-c", "-m"), argv
         self.args = ["warm", *map(str, argv)]
-        pipes = {name: socket.socketpair() for name in ("stdin", "stdout", *(() if merged else ("stderr",)))}
-        ends = [pipes["stdin"][1], pipes["stdout"][1], None if merged else pipes["stderr"][1]]  # the child's
+        pipes = {name: os.pipe() for name in ("stdin", "stdout", *(() if merged else ("stderr",)))}
+        ends = [pipes["stdin"][0], pipes["stdout"][1], None if merged else pipes["stderr"][1]]  # the child's
         self.process = multiprocessing.get_context("forkserver").Process(
             target=_python, args=(dict(os.environ if env is None else env), self.args[1:], str(cwd), new_session,
-                                  *ends),
+                                  *(None if end is None else _ForChild(end) for end in ends)),
             name=shlex.join(self.args))
         self.process.start()
-        for end in filter(None, ends):
-            end.close()
+        for end in ends:
+            if end is not None:
+                os.close(end)
         self.pid = self.process.pid
-        self.stdin = pipes["stdin"][0].makefile("w", encoding="utf-8")
-        self.stdout = pipes["stdout"][0].makefile("r", encoding="utf-8", errors="replace")
-        self.stderr = None if merged else pipes["stderr"][0].makefile("r", encoding="utf-8", errors="replace")
-        for reader, _ in pipes.values():
-            reader.close()  # the files hold the sockets open
+        self.stdin = open(pipes["stdin"][1], "w", encoding="utf-8")
+        self.stdout = open(pipes["stdout"][0], "r", encoding="utf-8", errors="replace")
+        self.stderr = None if merged else open(pipes["stderr"][0], "r", encoding="utf-8", errors="replace")
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -243,8 +242,23 @@ class WarmPython:
         self.send_signal(signal.SIGKILL)
 
 
-def _python(env: dict, argv: list[str], cwd: str, new_session: bool, stdin: socket.socket, output: socket.socket,
-            errors: socket.socket | None) -> None:
+class _ForChild:
+    """A pipe's end handed to a forked process as multiprocessing hands it a socket (the server passes a duplicate
+    on); the fork receives its number."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _inherited, (reduction.DupFd(self.fd),)  # called while the process starts: its duplicate
+
+
+def _inherited(duplicate) -> int:
+    return duplicate.detach()
+
+
+def _python(env: dict, argv: list[str], cwd: str, new_session: bool, stdin: int, output: int,
+            errors: int | None) -> None:
     """In the fork of a `WarmPython`: its session and stdin, and a resource tracker of its own (the test process's,
     which the server hands every fork, is left to the test process), then as a rank."""
     from multiprocessing import resource_tracker
@@ -255,13 +269,13 @@ def _python(env: dict, argv: list[str], cwd: str, new_session: bool, stdin: sock
     if tracker._fd is not None:
         os.close(tracker._fd)
         tracker._fd = tracker._pid = None
-    os.dup2(stdin.fileno(), 0)
-    stdin.close()
+    os.dup2(stdin, 0)
+    os.close(stdin)
     sys.stdin = open(0, "r", closefd=False)
     _rank(env, argv, cwd, output, errors)
 
 
-def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket, errors: socket.socket | None = None) -> None:
+def _rank(env: dict, argv: list[str], cwd: str, output: int, errors: int | None = None) -> None:
     """In the fork: the rank's environment, output and threads as torchrun's would be, then the script
     (argv[0]) as `__main__`, and its exit as the interpreter's (its threads joined, its atexit handlers run).
     Its stderr goes to `errors`, else with its stdout."""
@@ -269,11 +283,10 @@ def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket, errors: s
         raise RuntimeError(f"the warm server did not import {PRELOAD}: start_warm_server() must start it")
     import torch
 
-    os.dup2(output.fileno(), 1)
-    os.dup2((errors or output).fileno(), 2)
-    for stream in (output, errors):
-        if stream is not None:
-            stream.close()
+    os.dup2(output, 1)
+    os.dup2(output if errors is None else errors, 2)
+    for fd in {output, errors} - {None}:
+        os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
     numpy_choice = os.environ.get(NUMPY_CHOICE)  # made by the server before it imported numpy
@@ -288,8 +301,7 @@ def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket, errors: s
     sys.path[:] = [entry for entry in sys.path if entry != str(TESTS)]  # the test process's (pytest's): not a rank's
     os.chdir(cwd)
     # sys.path and sys.argv as `python script`, `python -c code` and `python -m module` have them
-    first = {"-c": "", "-m": os.getcwd()}.get(argv[0], os.path.dirname(os.path.abspath(argv[0])))
-    sys.path.insert(0, first)
+    sys.path.insert(0, {"-c": "", "-m": os.getcwd()}.get(argv[0], os.path.dirname(os.path.abspath(argv[0]))))
     sys.argv = [argv[0], *argv[2:]] if argv[0] in ("-c", "-m") else list(argv)
     if "OMP_NUM_THREADS" in env:  # read by the server when it imported torch, from its own environment
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
@@ -298,6 +310,7 @@ def _rank(env: dict, argv: list[str], cwd: str, output: socket.socket, errors: s
             main = sys.modules["__main__"] = types.ModuleType("__main__")
             exec(compile(argv[1], "<string>", "exec"), main.__dict__)
         elif argv[0] == "-m":
+            sys.modules.pop(argv[1], None)  # preloaded: run as `__main__` afresh, as a new interpreter would (no warning)
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(argv[0], run_name="__main__")
