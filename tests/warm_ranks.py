@@ -236,7 +236,10 @@ class WarmPython:
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, signum)
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:  # ended and reaped by the server meanwhile: as Popen, nothing to signal
+                pass
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
