@@ -78,7 +78,7 @@ class WarmLaunch:
                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             process = context.Process(target=_rank, args=(rank_env, self.args[1:], str(cwd), _ForChild(writer)),
                                       name=f"rank {rank}")
-            process.start()
+            _start(process)
             self.processes.append(process)
         os.close(writer)
         self.stdout = open(reader, "r", encoding="utf-8", errors="replace")
@@ -148,7 +148,7 @@ def run_warm(script: Path | str, *args, cwd: Path, env: dict | None = None,
     process = multiprocessing.get_context("forkserver").Process(
         target=_rank, args=(dict(os.environ if env is None else env), command, str(cwd), _ForChild(pipes[0][1]),
                             _ForChild(pipes[1][1])))
-    process.start()
+    _start(process)
     said: list[str] = ["", ""]
 
     def read(index: int, file) -> None:
@@ -177,11 +177,13 @@ class WarmPython:
     """`python *argv` (`-c code *args`, or `-m module *args`) forked from the warm server, as `subprocess.Popen(...,
     stdin=PIPE, stdout=PIPE, stderr=PIPE, text=True)` has it (`merged`: stderr=STDOUT; `new_session`:
     start_new_session=True): `pid`, `stdin`, `stdout`, `stderr`, `poll`, `wait`, `communicate`, `kill`, `send_signal`,
-    `returncode`. As a new interpreter it has its `sys.argv` and `sys.path`, its own resource tracker (started when it
-    first needs one) and the interpreter's exit. Not as one: its parent is the server, which reaps it at once (no
-    zombie), torch, torchrun and the project are imported already (the reader's streaming deferral in place), and
-    numpy's sort kernels are those train/main.py chooses (cpu_dispatch.py). Tests of those, of imports, of a notice
-    to a process group or of a process in a namespace of its own start a new interpreter."""
+    `returncode`. As a new interpreter it has its `sys.argv` and `sys.path[0]`, its own resource tracker (started
+    when it first needs one) and numpy random state, and its environment is `env` alone. Not as one: its parent is
+    the server, which reaps it at once (no zombie); torch, torchrun and the project are imported already, with
+    numpy's sort kernels as train/main.py chooses them (cpu_dispatch.py) and the server's hash seed and start-up
+    variables (PYTHONPATH's entries stay on sys.path); and it exits as train/main.py does (exit_without_teardown:
+    threads joined and atexit handlers run, no finalization of objects). Tests of those, of imports, of a notice to
+    a process group or of a process in a namespace of its own start a new interpreter."""
 
     def __init__(self, *argv, cwd: Path, env: dict | None = None, merged: bool = False, new_session: bool = False):
         assert argv[0] in ("-c", "-m"), argv
@@ -192,7 +194,7 @@ class WarmPython:
             target=_python, args=(dict(os.environ if env is None else env), self.args[1:], str(cwd), new_session,
                                   *(None if end is None else _ForChild(end) for end in ends)),
             name=shlex.join(self.args))
-        self.process.start()
+        _start(self.process)
         for end in ends:
             if end is not None:
                 os.close(end)
@@ -200,6 +202,12 @@ class WarmPython:
         self.stdin = open(pipes["stdin"][1], "w", encoding="utf-8")
         self.stdout = open(pipes["stdout"][0], "r", encoding="utf-8", errors="replace")
         self.stderr = None if merged else open(pipes["stderr"][0], "r", encoding="utf-8", errors="replace")
+        self._said: dict[str, list[str]] | None = None  # what communicate() has read
+        self._threads: list[threading.Thread] = []
+        if new_session:  # as Popen's start_new_session: the session is there once this returns
+            deadline = time.monotonic() + 60
+            while _group(self.pid) not in (self.pid, None) and time.monotonic() < deadline:
+                time.sleep(0.001)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -212,27 +220,25 @@ class WarmPython:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
 
-    def communicate(self, input: str | None = None, timeout: float | None = None) -> tuple[str, str]:
-        """`input` written and stdin closed, then all of stdout and stderr once the process has ended."""
+    def communicate(self, input: str | None = None, timeout: float | None = None) -> tuple[str, str | None]:
+        """As Popen's: `input` written and stdin closed while stdout and stderr are read, then all of both once the
+        process has ended; a TimeoutExpired carries the output so far, and a later call goes on from there."""
+        if self._said is None:
+            self._said = {name: [] for name in ("stdout", "stderr") if getattr(self, name) is not None}
+            self._threads = [threading.Thread(target=_read_all, args=(getattr(self, name), said), daemon=True)
+                             for name, said in self._said.items()]
+            if not self.stdin.closed:
+                self._threads.append(threading.Thread(target=_write_all, args=(self.stdin, input), daemon=True))
+            for thread in self._threads:
+                thread.start()
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.stdin.closed:
-            try:
-                if input:
-                    self.stdin.write(input)
-                self.stdin.close()
-            except BrokenPipeError:  # it ended without reading: as Popen, not an error
-                pass
-        said = {"stderr": None}
-        readers = [threading.Thread(target=lambda name=name: said.update({name: getattr(self, name).read()}),
-                                    daemon=True) for name in ("stdout", "stderr") if getattr(self, name) is not None]
-        for reader in readers:
-            reader.start()
-        for reader in readers:
-            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if reader.is_alive():
-                raise subprocess.TimeoutExpired(self.args, timeout)
+        for thread in self._threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout, output="".join(self._said["stdout"]))
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return said["stdout"], said["stderr"]
+        said = {name: "".join(parts) for name, parts in self._said.items()}
+        return said["stdout"], said.get("stderr")
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
@@ -243,6 +249,35 @@ class WarmPython:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def _start(process: multiprocessing.Process) -> None:
+    """Start a fork that the test process's exit does not wait for, as it does not wait for a Popen (multiprocessing's
+    exit joins its children: one a failed test left running would hold pytest's exit for ever)."""
+    process.start()
+    multiprocessing.process._children.discard(process)
+
+
+def _group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _read_all(file, said: list[str]) -> None:
+    with file:
+        for line in file:  # line by line, as they come: what a timeout finds read is there
+            said.append(line)
+
+
+def _write_all(file, text: str | None) -> None:
+    try:
+        with file:
+            if text:
+                file.write(text)
+    except BrokenPipeError:  # it ended without reading: as Popen, not an error
+        pass
 
 
 class _ForChild:
@@ -275,10 +310,11 @@ def _python(env: dict, argv: list[str], cwd: str, new_session: bool, stdin: int,
     os.dup2(stdin, 0)
     os.close(stdin)
     sys.stdin = open(0, "r", closefd=False)
-    _rank(env, argv, cwd, output, errors)
+    _rank(env, argv, cwd, output, errors, numpy_choice=False)
 
 
-def _rank(env: dict, argv: list[str], cwd: str, output: int, errors: int | None = None) -> None:
+def _rank(env: dict, argv: list[str], cwd: str, output: int, errors: int | None = None,
+          numpy_choice: bool = True) -> None:
     """In the fork: the rank's environment, output and threads as torchrun's would be, then the script
     (argv[0]) as `__main__`, and its exit as the interpreter's (its threads joined, its atexit handlers run).
     Its stderr goes to `errors`, else with its stdout."""
@@ -292,11 +328,14 @@ def _rank(env: dict, argv: list[str], cwd: str, output: int, errors: int | None 
         os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
-    numpy_choice = os.environ.get(NUMPY_CHOICE)  # made by the server before it imported numpy
+    chosen = os.environ.get(NUMPY_CHOICE)  # made by the server before it imported numpy, as train/main.py makes it
     os.environ.clear()
     os.environ.update(env)
-    if numpy_choice is not None:
-        os.environ.setdefault(NUMPY_CHOICE, numpy_choice)
+    if numpy_choice and chosen is not None:  # a rank's (or a tool's) own: not a WarmPython's, whose children choose
+        os.environ.setdefault(NUMPY_CHOICE, chosen)
+    import numpy
+
+    numpy.random.seed()  # numpy's global random state from fresh entropy, as a new interpreter's (not the server's)
     tempfile.tempdir = None  # found again from this environment's TMPDIR, not the server's
     # multiprocessing's start method as in a new interpreter (fork on Linux before Python 3.14), not the forkserver
     # this fork came from: DataLoader workers are forked from the rank, as in a rank torchrun starts.
