@@ -149,14 +149,9 @@ def run_warm(script: Path | str, *args, cwd: Path, env: dict | None = None,
         target=_rank, args=(dict(os.environ if env is None else env), command, str(cwd), _ForChild(pipes[0][1]),
                             _ForChild(pipes[1][1])))
     _start(process)
-    said: list[str] = ["", ""]
-
-    def read(index: int, file) -> None:
-        with file:
-            said[index] = file.read()
-
-    readers = [threading.Thread(target=read, args=(index, open(reader, "r", encoding="utf-8", errors="replace")),
-                                daemon=True) for index, (reader, _) in enumerate(pipes)]
+    said: list[list[str]] = [[], []]
+    readers = [threading.Thread(target=_read_all, args=(open(reader, "r", encoding="utf-8", errors="replace"), parts),
+                                daemon=True) for (reader, _), parts in zip(pipes, said)]
     for (_, writer), thread in zip(pipes, readers):
         os.close(writer)
         thread.start()
@@ -170,7 +165,7 @@ def run_warm(script: Path | str, *args, cwd: Path, env: dict | None = None,
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():  # something the process started still holds its output open
             raise subprocess.TimeoutExpired(command, timeout)
-    return subprocess.CompletedProcess(command, process.exitcode, said[0], said[1])
+    return subprocess.CompletedProcess(command, process.exitcode, "".join(said[0]), "".join(said[1]))
 
 
 class WarmPython:
