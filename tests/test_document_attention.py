@@ -100,6 +100,38 @@ def test_flex_attentions_block_mask_and_the_masked_sdpa_agree():
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="training's path on a GPU: compiled on CUDA")
+def test_on_a_gpu_compiled_training_uses_flex_attention_and_it_is_the_masked_sdpa():
+    """Compiled on a GPU, the model picks FlexAttention's block mask by itself; its loss and gradients are the
+    masked SDPA's (the attention the proof above checks), float32, documents of about 50 tokens at block 256."""
+    torch.manual_seed(1)
+    net = GPT(ModelConfig(vocab_size=64, block_size=256, n_layer=2, n_head=2, n_embd=64, attention="document",
+                          positions="document")).cuda()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, SEP, size=(4, 257), dtype=np.uint16)
+    tokens[rng.random(tokens.shape) < 0.02] = SEP
+    structure = document_structure(tokens, SEP, "after", max_documents=64)
+    assert structure["document_count"] > 12
+    batch = torch.from_numpy(tokens.astype(np.int64)).cuda()
+    arguments = (batch[:, :-1], batch[:, 1:], structure["documents"].long().cuda(), structure["positions"].long().cuda())
+    masks, document_mask = [], net.document_mask
+    net.document_mask = torch.compiler.disable(lambda documents, flex: masks.append(flex) or document_mask(documents,
+                                                                                                             flex))
+
+    def loss_and_gradients(forward, **flex):
+        net.zero_grad()
+        loss = forward(*arguments, **flex)
+        loss.backward()
+        return loss.item(), [parameter.grad.clone() for parameter in net.parameters()]
+
+    compiled = loss_and_gradients(torch.compile(net))
+    sdpa = loss_and_gradients(net, flex=False)
+    assert masks == [True, False]
+    assert compiled[0] == pytest.approx(sdpa[0], rel=1e-5)
+    for flex_gradient, sdpa_gradient in zip(compiled[1], sdpa[1]):
+        torch.testing.assert_close(flex_gradient, sdpa_gradient, rtol=1e-4, atol=1e-6)
+
+
 def test_the_structure_of_a_micro_batch_and_more_documents_than_its_maximum():
     tokens = np.array([[5, SEP, 6, 7, SEP, 8, SEP], [9, 9, SEP, 4, 4, 4, 4]], dtype=np.uint16)  # block 6
     structure = document_structure(tokens, SEP, "after", max_documents=8)
