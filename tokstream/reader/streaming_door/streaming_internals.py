@@ -540,6 +540,7 @@ class WindowedDownloadAhead(StreamingDataset):
     """
 
     order_dir: str | None = None  # where its epochs' orders are kept as files (order_files.py); None: stock's
+    waiting_for_order = False  # in stock's _get_work, where a worker waits for the node's first to share the order
 
     def _share_work(self, sample_ids: np.ndarray) -> tuple[SharedMemory, SharedMemory | None]:
         """Stock's, but the order is written into shared memory in place, not through a `tobytes()`
@@ -563,7 +564,11 @@ class WindowedDownloadAhead(StreamingDataset):
         from tokstream.reader.order import order_files
 
         if not (in_lazy_order(self) or kept_as_files(self)):
-            return super()._get_work(epoch, sample_in_epoch)
+            self.waiting_for_order = True  # a DataLoader worker here holds nothing (token_loader._exit_with_rank)
+            try:
+                return super()._get_work(epoch, sample_in_epoch)
+            finally:
+                self.waiting_for_order = False
         world = self._parallel_worker_world
         ids = worker_ids(self, world.num_nodes, world.ranks_per_node, world.workers_per_rank, epoch, sample_in_epoch,
                          [(world.node, world.rank_of_node, world.worker_of_rank)],
