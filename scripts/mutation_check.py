@@ -416,9 +416,14 @@ MUTATIONS = [
              "        signal.signal(signum, signal.SIG_IGN)  # a notice held back since the fork",
              "        pass  # a notice held back since the fork", ("tests/test_training.py", "-k", "dataloader_workers")),
     Mutation("workers: one waiting for a failed order's builder stays", "a rank ends at once when a worker's order "
-             "fails", "tokstream/reader/token_loader.py", "        if dataset.waiting_for_order and dataset.loader_ended",
-             "        if False and dataset.loader_ended",
+             "fails", "tokstream/reader/token_loader.py", "        if dataset.waiting_for_order and dataset.loader_ended.value:",
+             "        if False and dataset.loader_ended.value:",
              ("tests/test_fast_reader.py", "-k", "fails_building_the_order")),
+    Mutation("resume: no wait for the next epoch to be set", "a resume from an epoch end's checkpoint reads the next "
+             "epoch on every rank", "tokstream/reader/streaming_door/streaming_internals.py",
+             "        epoch, sample_in_epoch = super()._resume_incr_epoch()\n        self._shared_barrier(",
+             "        epoch, sample_in_epoch = super()._resume_incr_epoch()\n        (lambda count: None)(",
+             ("tests/test_reader_api.py", "-k", "epoch_ends_checkpoint")),
     Mutation("ledger: numpy's kernels not chosen", "the ledger's order breaks ties as the trainer's readers do",
              "train/ledger.py", "prefer_avx2_sort()  # numpy's kernels as the trainer's here", "pass  # numpy's kernels",
              ("tests/test_cpu_dispatch.py", "-k", "ledger")),

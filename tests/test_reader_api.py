@@ -114,6 +114,64 @@ def test_the_state_rank_0_saves_after_another_rank_closed_is_the_whole_position(
     uninterrupted.close()
 
 
+EPOCH_END_RANK = """
+import json, os, sys, time
+rank, store, data, workers, order = sys.argv[1:]
+os.environ.update(RANK=rank, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", LOCAL_RANK=rank)
+import torch.distributed as dist
+from tokstream.reader import BatchPlan, DataConfig, TrainBatches, open_dataset
+from streaming import StreamingDataset
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(rank), world_size=2)
+orders = {"lazy": {"shuffle_algo": "lazy"}, "files": {"order_dir": os.path.join(os.path.dirname(store), "orders")}}
+plan, config = BatchPlan(8, 4, 2), DataConfig(remote=data, num_workers=int(workers), **orders[order])
+first = TrainBatches(open_dataset(config), plan)
+for _ in range(5):  # the whole first epoch: 40 samples, 5 steps
+    next(first)
+state = [first.state_dict()]
+dist.broadcast_object_list(state, 0)
+first.close()
+if rank == "0":  # the node's first process (with workers, its first worker) is slow to say the second epoch is next
+    stock = StreamingDataset.next_epoch
+    StreamingDataset.next_epoch = property(stock.fget, lambda self, epoch: (time.sleep(4 if epoch == 1 else 0),
+                                                                            stock.fset(self, epoch)))
+resumed = TrainBatches(open_dataset(config), plan)
+resumed.load_state_dict(state[0])
+steps = []
+for _ in range(6):  # the second epoch and the third's first step, the ranks kept in step as DDP's all-reduce does
+    steps.append(next(resumed)["ids"].tolist())
+    dist.barrier()
+resumed.close()
+print(json.dumps(steps))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("order, workers", [("files", 0), ("lazy", 2)])
+def test_a_resume_from_an_epoch_ends_checkpoint_reads_the_next_epoch_on_every_rank(mixture, tmp_path, order, workers):
+    """Resumed at the epoch's end, every process of the node has an empty epoch and starts the next at once, while
+    the node's first process sets which epoch is next only after their barrier. In the orders that do not wait for
+    the node's first to share the epoch's order (kept as files, as the trainer keeps them, and lazy), a rank that
+    looked before it had (here the first is made slow there, as a loaded machine deschedules it) read the finished
+    epoch again and was then an epoch behind: the ranks waited for each other for ever (the random interruption
+    schedule's seed 33038, 4 hangs in 6 runs). Each step's global batch is an uninterrupted run's."""
+    root = mixture.streams[0].remote  # 40 samples: 5 steps of 8 an epoch
+    ranks = [WarmPython("-c", EPOCH_END_RANK, rank, tmp_path / "store", root, workers, order, cwd=ROOT)
+             for rank in (0, 1)]
+    try:
+        outputs = [rank.communicate(timeout=60) for rank in ranks]  # about 6 s, 4 of them the first rank's delay
+    except subprocess.TimeoutExpired:
+        for rank in ranks:
+            rank.kill()
+        raise AssertionError("the ranks waited for each other for ever after resuming at the epoch's end") from None
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    orders = {"lazy": {"shuffle_algo": "lazy"}, "files": {}}
+    uninterrupted = TrainBatches(open_dataset(DataConfig(remote=root, **orders[order])), BatchPlan(8, 8, 1))
+    expected = [sorted(next(uninterrupted)["ids"].tolist()) for _ in range(11)][5:]
+    uninterrupted.close()
+    rank_0, rank_1 = (json.loads(output[0]) for output in outputs)
+    assert [sorted(ids_0 + ids_1) for ids_0, ids_1 in zip(rank_0, rank_1)] == expected
+
+
 ENDED_PEER = """
 import os, sys
 rank, store, data, workers, ending, ender = sys.argv[1:]

@@ -68,7 +68,7 @@ def _exit_with_rank(rank_pid: int, dataset: TokenDataset) -> None:
     was building it failed, so it never comes, and the DataLoader's end reaches no worker there (torch waited 5 s
     twice for it, then the rank killed it). Waiting there, the worker holds nothing: no shard, no slot."""
     while os.getppid() == rank_pid:
-        if dataset.waiting_for_order and dataset.loader_ended.is_set():
+        if dataset.waiting_for_order and dataset.loader_ended.value:
             break
         time.sleep(0.5)
     os._exit(0)  # the rank is gone, or done with this worker: nothing it holds can reach it
@@ -177,7 +177,8 @@ class TokenLoader(StreamingDataLoader):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         self.num_samples_yielded = 0
         ring = self.dataset.ring = self._ring()  # before the workers fork: they inherit it
-        ended = self.dataset.loader_ended = (self.multiprocessing_context or multiprocessing).Event() \
+        # A flag without a lock: a worker killed while it held an Event's lock would block the rank setting it.
+        ended = self.dataset.loader_ended = (self.multiprocessing_context or multiprocessing).RawValue("b", 0) \
             if self.num_workers else None
         with_workers = None
         try:
@@ -200,7 +201,7 @@ class TokenLoader(StreamingDataLoader):
             if ring is not None:
                 ring.close()
             if with_workers is not None:  # the epoch ended, was closed, or a worker's error ended it
-                ended.set()
+                ended.value = 1
                 _end(with_workers)
 
     def _ring(self) -> TransferRing | None:

@@ -513,6 +513,16 @@ class ResumeStateKept(StreamingDataset):
         super().load_state_dict(obj)
         self._kept_resume_state = json.loads(json.dumps(obj, sort_keys=True)), os.getpid()
 
+    def _resume_incr_epoch(self) -> tuple[int, int]:
+        """Stock's, and then every process of the node waits once more, for the node's first to have set the next
+        epoch. In stock's, they leave the barrier together and the first sets it after: a process whose epoch was
+        empty (resumed from a checkpoint at the epoch's end) started its next iterator at once, could read the old
+        value, and ran the finished epoch again: one epoch behind the node's first, each then waited for the other
+        (a rank at the next barrier, another in DDP's all-reduce) for ever."""
+        epoch, sample_in_epoch = super()._resume_incr_epoch()
+        self._shared_barrier(self._unique_worker_world.workers_per_node)
+        return epoch, sample_in_epoch
+
     def _resume(self, world: World, epoch: int) -> tuple[int, int]:
         kept, pid = self._kept_resume_state or (None, None)
         if kept is None or pid != os.getpid() or kept["epoch"] < epoch:  # none, not ours, or stale: stock's
