@@ -17,7 +17,7 @@ STREAMING_PRIVATE_NAMES = {
     "_evict_coldest_shard", "_event", "_shared_barrier", "_shm_prefix_int",
     "_pack_locals", "_unpack_locals", "_get_path", "_check_self",
     "_prepare_thread", "_ready_thread", "_each_sample_id", "_share_work", "_set_shuffle_block_size",
-    "_resume", "_get_work", "_parallel_worker_world", "_unique_worker_world",
+    "_resume", "_resume_incr_epoch", "_get_work", "_parallel_worker_world", "_unique_worker_world",
 }
 # torch's, not streaming's: the DataLoader iterator's own shutdown (token_loader.py, at exit).
 TORCH_PRIVATE_NAMES = {"_shutdown_workers", "_workers"}

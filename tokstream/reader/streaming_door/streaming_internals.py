@@ -44,6 +44,8 @@ streaming does not promise to keep:
   the dataset closes or goes (`shared_memory_blocks`, `release_shared_memory`);
 - `StreamingDataset._resume` and what it sets from a resume state: answered from the loading process's
   own copy (`ResumeStateKept`);
+- `StreamingDataset._resume_incr_epoch`, where the node's first process sets `next_epoch` after the barrier
+  (`_shared_barrier`, `_unique_worker_world.workers_per_node`): a second wait there (`ResumeStateKept`);
 - `generate_work` with `StreamingDataset.batching_method` and `_set_shuffle_block_size`: the epoch's
   partition for any world, computed in one process (`rank_orders`, for train/ledger.py);
 - `StreamingDataset._get_work`, `_parallel_worker_world` and `_unique_worker_world`: a dataset in the project's lazy
@@ -520,7 +522,7 @@ class ResumeStateKept(StreamingDataset):
         value, and ran the finished epoch again: one epoch behind the node's first, each then waited for the other
         (a rank at the next barrier, another in DDP's all-reduce) for ever."""
         epoch, sample_in_epoch = super()._resume_incr_epoch()
-        self._shared_barrier(self._unique_worker_world.workers_per_node)
+        self._shared_barrier(self._unique_worker_world.workers_per_node)  # until the next epoch is set
         return epoch, sample_in_epoch
 
     def _resume(self, world: World, epoch: int) -> tuple[int, int]:
