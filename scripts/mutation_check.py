@@ -415,10 +415,6 @@ MUTATIONS = [
              "tokstream/reader/token_loader.py",
              "        signal.signal(signum, signal.SIG_IGN)  # a notice held back since the fork",
              "        pass  # a notice held back since the fork", ("tests/test_training.py", "-k", "dataloader_workers")),
-    Mutation("workers: one waiting for a failed order's builder stays", "a rank ends at once when a worker's order "
-             "fails", "tokstream/reader/token_loader.py", "        if dataset.waiting_for_order and dataset.loader_ended.value:",
-             "        if False and dataset.loader_ended.value:",
-             ("tests/test_fast_reader.py", "-k", "fails_building_the_order")),
     Mutation("resume: no wait for the next epoch to be set", "a resume from an epoch end's checkpoint reads the next "
              "epoch on every rank", "tokstream/reader/streaming_door/streaming_internals.py",
              "workers_per_node)  # until the next epoch is set",

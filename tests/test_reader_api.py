@@ -151,8 +151,8 @@ def test_a_resume_from_an_epoch_ends_checkpoint_reads_the_next_epoch_on_every_ra
     """Resumed at the epoch's end, every process of the node has an empty epoch and starts the next at once, while
     the node's first process sets which epoch is next only after their barrier. In the orders that do not wait for
     the node's first to share the epoch's order (kept as files, as the trainer keeps them, and lazy), a rank that
-    looked before it had (here the first is made slow there, as a loaded machine deschedules it) read the finished
-    epoch again and was then an epoch behind: the ranks waited for each other for ever (the random interruption
+    looked before it had (here the first is made slow there, as a loaded machine deschedules it) took the empty
+    epoch again and was then a barrier ahead: the ranks waited for each other for ever (the random interruption
     schedule's seed 33038, 4 hangs in 6 runs). Each step's global batch is an uninterrupted run's."""
     root = mixture.streams[0].remote  # 40 samples: 5 steps of 8 an epoch
     ranks = [WarmPython("-c", EPOCH_END_RANK, rank, tmp_path / "store", root, workers, order, cwd=ROOT)

@@ -52,7 +52,6 @@ class TokenDataset(internals.ResumeStateKept, internals.WindowedDownloadAhead):
         self.pin_batches = False  # set by TokenLoader
         self.transfer_samples: int | None = None  # samples per item in a DataLoader worker (TokenLoader)
         self.ring: TransferRing | None = None  # where workers write their transfers, if shared (TokenLoader)
-        self.loader_ended = None  # a flag its workers share with the rank's loader, 1 once it ended (TokenLoader)
         self._views: dict[int, np.ndarray] = {}  # shard id -> (samples, tokens) view of its mapped file
         self._sample_format: tuple[np.dtype, int] | None = None
         # Lets a relaunch tell this prefix's shared memory from a killed run's (stale_shm.py). Released when

@@ -33,7 +33,7 @@ from tokstream.reader.streaming_door.streaming_import import import_streaming
 
 import_streaming()  # before streaming is imported: without transformers and torchvision (streaming_import.py)
 from streaming import StreamingDataLoader
-from torch.utils.data import DataLoader, get_worker_info
+from torch.utils.data import DataLoader
 
 from tokstream.errors import NoSpace, PeerEnded, UserError
 from tokstream.reader import streaming_door
@@ -59,19 +59,13 @@ def start_worker(worker_id: int) -> None:
         signal.signal(signum, signal.SIG_IGN)  # a notice held back since the fork (notices_held) is dropped here
     signal.pthread_sigmask(signal.SIG_UNBLOCK, NOTICES)
     streaming_door.install()  # a spawned worker starts from fresh modules (a forked one has it already)
-    threading.Thread(target=_exit_with_rank, args=(os.getppid(), get_worker_info().dataset), name="exit-with-rank",
-                     daemon=True).start()
+    threading.Thread(target=_exit_with_rank, args=(os.getppid(),), name="exit-with-rank", daemon=True).start()
 
 
-def _exit_with_rank(rank_pid: int, dataset: TokenDataset) -> None:
-    """Also ends the worker once its loader has ended while it still waits for the epoch's order: the worker that
-    was building it failed, so it never comes, and the DataLoader's end reaches no worker there (torch waited 5 s
-    twice for it, then the rank killed it). Waiting there, the worker holds nothing: no shard, no slot."""
+def _exit_with_rank(rank_pid: int) -> None:
     while os.getppid() == rank_pid:
-        if dataset.waiting_for_order and dataset.loader_ended.value:
-            break
         time.sleep(0.5)
-    os._exit(0)  # the rank is gone, or done with this worker: nothing it holds can reach it
+    os._exit(0)  # the rank is gone: nothing this worker holds can reach it
 
 
 # The DataLoader iterators with workers that are alive in this process.
@@ -92,8 +86,8 @@ def _end(batches) -> None:
         ring.close()  # a worker waiting for a slot would not see the DataLoader's end
     batches._shutdown_workers()
     for worker in getattr(batches, "_workers", []):
-        # Still there, which _exit_with_rank should have prevented: it sees neither the DataLoader's end nor the
-        # SIGTERM it ignores. Its reader is done with it: nothing it does matters.
+        # Still there: waiting in streaming for a worker that failed (its epoch order never comes), where it sees
+        # neither the DataLoader's end nor the SIGTERM it ignores. Its reader is done with it: nothing it does matters.
         if worker.is_alive():
             worker.kill()
             worker.join(timeout=10)
@@ -177,9 +171,6 @@ class TokenLoader(StreamingDataLoader):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         self.num_samples_yielded = 0
         ring = self.dataset.ring = self._ring()  # before the workers fork: they inherit it
-        # A flag without a lock: a worker killed while it held an Event's lock would block the rank setting it.
-        ended = self.dataset.loader_ended = (self.multiprocessing_context or multiprocessing).RawValue("b", 0) \
-            if self.num_workers else None
         with_workers = None
         try:
             with notices_held():  # the workers start here
@@ -201,7 +192,6 @@ class TokenLoader(StreamingDataLoader):
             if ring is not None:
                 ring.close()
             if with_workers is not None:  # the epoch ended, was closed, or a worker's error ended it
-                ended.value = 1
                 _end(with_workers)
 
     def _ring(self) -> TransferRing | None:

@@ -519,8 +519,8 @@ class ResumeStateKept(StreamingDataset):
         """Stock's, and then every process of the node waits once more, for the node's first to have set the next
         epoch. In stock's, they leave the barrier together and the first sets it after: a process whose epoch was
         empty (resumed from a checkpoint at the epoch's end) started its next iterator at once, could read the old
-        value, and ran the finished epoch again: one epoch behind the node's first, each then waited for the other
-        (a rank at the next barrier, another in DDP's all-reduce) for ever."""
+        value and take the empty epoch again, one barrier ahead of the node's first: each then waited for the
+        other (a rank at that barrier, another in DDP's all-reduce) for ever."""
         epoch, sample_in_epoch = super()._resume_incr_epoch()
         self._shared_barrier(self._unique_worker_world.workers_per_node)  # until the next epoch is set
         return epoch, sample_in_epoch
@@ -552,7 +552,6 @@ class WindowedDownloadAhead(StreamingDataset):
     """
 
     order_dir: str | None = None  # where its epochs' orders are kept as files (order_files.py); None: stock's
-    waiting_for_order = False  # in stock's _get_work, where a worker waits for the node's first to share the order
 
     def _share_work(self, sample_ids: np.ndarray) -> tuple[SharedMemory, SharedMemory | None]:
         """Stock's, but the order is written into shared memory in place, not through a `tobytes()`
@@ -576,11 +575,7 @@ class WindowedDownloadAhead(StreamingDataset):
         from tokstream.reader.order import order_files
 
         if not (in_lazy_order(self) or kept_as_files(self)):
-            self.waiting_for_order = True  # a DataLoader worker here holds nothing (token_loader._exit_with_rank)
-            try:
-                return super()._get_work(epoch, sample_in_epoch)
-            finally:
-                self.waiting_for_order = False
+            return super()._get_work(epoch, sample_in_epoch)
         world = self._parallel_worker_world
         ids = worker_ids(self, world.num_nodes, world.ranks_per_node, world.workers_per_rank, epoch, sample_in_epoch,
                          [(world.node, world.rank_of_node, world.worker_of_rank)],
