@@ -36,6 +36,9 @@ class Mutation:
     tests: tuple[str, ...]  # pytest arguments: files, node ids, -k expressions
 
 
+# The lazy orders' properties of an epoch (tests/test_order_engine.py): each catches one epoch key forgotten.
+EPOCH_PROPERTIES = ("tests/test_order_engine.py", "-k", "afresh or order_of_its_own or anew")
+
 MUTATIONS = [
     # Issue 45: the four the suite let through.
     Mutation("overwrite: a shard-like user file", "--overwrite replaces only a dataset this project wrote",
@@ -179,6 +182,31 @@ MUTATIONS = [
     Mutation("lazy order: the epoch left out of the draw", "each epoch leaves out other samples",
              "tokstream/reader/order/lazy.py", "key_of(self.seed, self.epoch, stream, _RESAMPLE)",
              "key_of(self.seed, stream, _RESAMPLE)", ("tests/test_order_engine.py", "-k", "property")),
+    # Issue 53's review: each of the orders' epoch keys caught by a property, not only by a pinned digest.
+    Mutation("lazy order: the epoch left out of the pick", "a shard drawn from gives other samples each epoch",
+             "tokstream/reader/order/lazy.py", "key(self.seed, self.epoch, _PICK,",
+             "key(self.seed, _PICK,", EPOCH_PROPERTIES),
+    Mutation("lazy order: the epoch left out of a unit's permutation", "each shard is read in another order every epoch",
+             "tokstream/reader/order/lazy.py", "key(self.seed, self.epoch, _UNIT,",
+             "key(self.seed, _UNIT,", EPOCH_PROPERTIES),
+    Mutation("lazy order: the epoch left out of the pieces' order", "each epoch reads the shards in an order of its own",
+             "tokstream/reader/order/lazy.py", "key(self.seed, self.epoch, _EPOCH,",
+             "key(self.seed, _EPOCH,", EPOCH_PROPERTIES),
+    Mutation("lazy order: the epoch left out of the windows", "each epoch shuffles each window anew",
+             "tokstream/reader/order/lazy.py", "key(self.seed, self.epoch, _WINDOW,",
+             "key(self.seed, _WINDOW,", EPOCH_PROPERTIES),
+    Mutation("feistel_window: the epoch left out of the windows", "each epoch shuffles each window anew",
+             "tokstream/reader/order/feistel_window.py", "keys = _key(self.seed, self.epoch, node, window)",
+             "keys = _key(self.seed, 0, node, window)", EPOCH_PROPERTIES),
+    Mutation("feistel_window: the spans' order the same every epoch", "each epoch reads the shards in an order of its own",
+             "tokstream/reader/order/feistel_window.py", "default_rng(self.seed + self.epoch)",
+             "default_rng(self.seed)", EPOCH_PROPERTIES),
+    Mutation("feistel_window: the epoch left out of the draw", "each epoch draws each shard's count again",
+             "tokstream/reader/order/feistel_window.py", "default_rng([seed, epoch, stream])",
+             "default_rng([seed, stream])", EPOCH_PROPERTIES),
+    Mutation("feistel_window: the epoch left out of the pick", "a shard drawn from gives other samples each epoch",
+             "tokstream/reader/order/feistel_window.py", "_key(self.seed, self.epoch, shard[picked], 1 << 40)",
+             "_key(self.seed, 0, shard[picked], 1 << 40)", EPOCH_PROPERTIES),
     Mutation("hypergeometric: the integer part of the mean lost", "the draw is exact past a billion samples",
              "tokstream/reader/order/hypergeometric.py", "k = base + math.floor(dx)", "k = math.floor(dx)",
              ("tests/test_order_engine.py", "-k", "draw")),
@@ -351,6 +379,14 @@ MUTATIONS = [
     Mutation("relaunch: a skip beginning at the checkpoint's step may change", "a trained step's data never changes",
              "tokstream/train/resume_policy.py", "if skip[0] <= step]", "if skip[0] < step]",
              ("tests/test_spike_advice.py", "-k", "first_step_keeps")),
+    # Issue 53's review: the skips' relaunch rules, fast and direct (tests/test_resume_policy.py).
+    Mutation("relaunch: a new skip begun by the checkpoint's step accepted", "a trained step's data never changes",
+             "tokstream/train/resume_policy.py", "    if begun(saved) != begun(now):",
+             "    if any(skip not in now for skip in begun(saved)):", ("tests/test_resume_policy.py", "-k", "skip")),
+    Mutation("relaunch: skips added to a run from before skip_steps unchecked", "a trained step's data never changes",
+             "tokstream/train/resume_policy.py",
+             'if "skip_steps" in changed or ("skip_steps" not in old_flat and config.skip_steps):',
+             'if "skip_steps" in changed:', ("tests/test_resume_policy.py", "-k", "skip")),
     Mutation("slurm: the job's task count taken for the step's", "srun -n 1 in a bigger job trains alone",
              "tokstream/slurm.py", 'int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1")))',
              'int(environ.get("SLURM_NTASKS", environ.get("SLURM_STEP_NUM_TASKS", "1")))',

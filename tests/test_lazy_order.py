@@ -89,10 +89,13 @@ def test_one_rank_reads_the_epochs_lazy_order_itself_not_stocks_resampling(mixtu
 
 
 def test_training_in_the_lazy_order_resumes_exactly_after_sigterm_sigkill_and_on_another_world_size(dataset, tmp_path):
-    """Through torchrun, on the plays (several shards, an epoch cut to whole steps, so the lazy resampling draws):
-    SIGTERM after a checkpoint on 2 ranks, a relaunch on 1 rank SIGKILLed, and a last one on 2 ranks, against an
-    uninterrupted 2-rank run: every step's global batch and learning rate, and the losses bitwise until the world
-    size changes (float rounding after it)."""
+    """On the plays (several shards, an epoch cut to whole steps, so the lazy resampling draws): SIGTERM after a
+    checkpoint on 2 ranks, a relaunch on 1 rank SIGKILLed, and a last one on 2 ranks, against an uninterrupted 2-rank
+    run: every step's global batch and learning rate, and the losses bitwise until the world size changes (float
+    rounding after it). What is tested is the order's resumption: the ranks are warm forks (tests/warm_ranks.py),
+    signalled as torchrun's agent forwards a signal; they share the test process's resource tracker (a real rank's
+    own tracker would unlink the killed rank's shared memory when it dies: here it is left). torchrun's own part
+    (its agent's forwarding and death, its restarts) is tested in test_training.py and test_nothing_lost.py."""
     import signal
 
     from test_training import finish, launch, metrics, train, wait_for

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from tokstream.reader.order import whole_epoch
+from tokstream.reader.order import lazy_epoch_order, whole_epoch
 from tokstream.reader.order.hypergeometric import hypergeometric, key_of, shard_counts
 from tokstream.reader.order.keyed import key, permutation
 from tokstream.reader.order.lazy import NAME, EpochOrder
@@ -175,6 +175,73 @@ def test_epochs_leave_out_and_order_samples_differently_by_property():
     for a in range(4):
         for b in range(a + 1, 4):
             assert (whole[a] != whole[b]).mean() > 0.9
+
+
+def one_stream_epochs(shards: int, choose: int | None, name: str = NAME, epochs: int = 4) -> list[np.ndarray]:
+    """Whole epochs of a lazy order: one stream of `shards` shards of 50 samples, one canonical node, windows of 16."""
+    sizes = np.full(shards, 50)
+    orders = [lazy_epoch_order(name, sizes, [shards], [choose], 11, epoch, 1, 16) for epoch in range(epochs)]
+    return [order.at(np.arange(order.epoch_size)) for order in orders]
+
+
+def rank_correlation(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.corrcoef(np.argsort(np.argsort(a)), np.argsort(np.argsort(b)))[0, 1])
+
+
+@pytest.mark.parametrize("name", [NAME, "feistel_window"])
+def test_each_epoch_picks_a_shards_samples_afresh_not_a_longer_or_shorter_run_of_the_same(name):
+    """A stream drawn from gives each shard another count each epoch, and other samples: two epochs' picks from a
+    shard are not one inside the other, as the first samples of one fixed permutation of the shard would be (the
+    pick's key forgetting the epoch)."""
+    epochs = one_stream_epochs(40, 600, name, epochs=6)
+    picks = [[frozenset(ids[ids // 50 == shard].tolist()) for shard in range(40)] for ids in epochs]
+    assert len({tuple(map(len, epoch)) for epoch in picks}) == 6  # the shards' counts drawn again
+    pairs = [(picks[a][s], picks[b][s]) for a in range(6) for b in range(a + 1, 6) for s in range(40)]
+    pairs = [(x, y) for x, y in pairs if x and y]
+    nested = sum(x <= y or y <= x for x, y in pairs)
+    assert len(pairs) > 500 and nested / len(pairs) < 0.02, (nested, len(pairs))
+
+
+def test_each_epoch_reads_a_whole_shards_samples_in_an_order_of_its_own():
+    """Inside each shard, the order its samples are read in is unrelated from one epoch to the next (windows of 16
+    move a sample a few places only: a shard's permutation kept across epochs would show through)."""
+    epochs = one_stream_epochs(200, None)
+    within = []
+    for ids in epochs:
+        read_at = np.argsort(ids)  # each sample's position in the epoch
+        within.append(np.argsort(np.argsort(read_at.reshape(200, 50), axis=1), axis=1).ravel())
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert abs(rank_correlation(within[a], within[b])) < 0.1
+
+
+@pytest.mark.parametrize("name", [NAME, "feistel_window"])
+def test_each_epoch_reads_the_shards_in_an_order_of_its_own(name):
+    """Where in the epoch each shard is read is unrelated from one epoch to the next, though windows of 16 keep a
+    shard's samples together (the pieces' order kept across epochs would show through)."""
+    epochs = one_stream_epochs(200, None, name)
+    where = [np.argsort(ids).reshape(200, 50).mean(axis=1) for ids in epochs]  # each shard's mean position
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert abs(rank_correlation(where[a], where[b])) < 0.3
+
+
+@pytest.mark.parametrize("name", [NAME, "feistel_window"])
+def test_each_epoch_shuffles_each_window_anew(name):
+    """A window where one shard ends and the next begins holds them at other positions each epoch: which of its 16
+    places take which shard is drawn again (a window's permutation kept across epochs would place them alike)."""
+    epochs = one_stream_epochs(200, None, name)
+    patterns = []
+    for ids in epochs:
+        shards = (ids // 50).reshape(-1, 16)
+        first = shards[:, :1]  # each window's places labelled by whether they hold the shard its first place holds
+        patterns.append([tuple(row) for row in shards == first])
+    mixed = [w for w, row in enumerate(patterns[0]) if not all(row)]
+    assert len(mixed) > 150
+    for a in range(4):
+        for b in range(a + 1, 4):
+            alike = sum(patterns[a][w] == patterns[b][w] for w in mixed)
+            assert alike / len(mixed) < 0.3, (a, b, alike, len(mixed))
 
 
 def test_the_canonical_nodes_keep_their_shards_every_epoch():

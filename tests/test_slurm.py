@@ -119,18 +119,25 @@ def test_srun_tasks_get_torchruns_variables_and_a_batch_script_does_not():
     assert tasks_per_node("8(x3),4") == [8, 8, 8, 4]
 
 
-def test_srun_steps_smaller_than_their_job_get_their_own_world_through_the_real_slurm(slurm, tmp_path):
-    """In a job of 4 tasks, `srun -n 1` is one process (no group of 4 to wait for) and `srun -n 2` a world of 2:
-    what the real Slurm's variables give ranks_from_srun."""
+def test_srun_steps_smaller_than_their_job_get_their_own_world_through_the_real_slurm(slurm, dataset, tmp_path):
+    """In a job of 4 tasks, `srun -n 1 python train/main.py` trains alone (no group of 4 to wait for, no warning that
+    it trains alone), and `srun -n 2` is a world of 2: what the real Slurm's variables give ranks_from_srun."""
+    import shlex
+
     script = tmp_path / "steps.sh"
     probe = ("import json; from tokstream.slurm import ranks_from_srun; "
              "print(json.dumps(ranks_from_srun(), sort_keys=True))")
+    alone = shlex.join(["python", "train/main.py", *BASE, f"data.remote={dataset}", f"run_dir={tmp_path / 'run'}",
+                        "max_steps=2", "optim.decay_steps=2", "eval_interval=0"])
     script.write_text(f"#!/bin/bash\nexport MASTER_ADDR=127.0.0.1 MASTER_PORT={free_port()}\n"
-                      f"srun -n 1 python -c '{probe}'\nsrun -n 2 python -c '{probe}'\n")
+                      f"srun -n 1 {alone}\nsrun -n 1 python -c '{probe}'\nsrun -n 2 python -c '{probe}'\n")
     log = tmp_path / "steps.out"
     job = slurm.sbatch("--ntasks=4", "--cpus-per-task=1", f"--output={log}", str(script), cwd=ROOT, env=job_env())
-    assert slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120)["JobState"] == "COMPLETED", \
+    assert slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=180)["JobState"] == "COMPLETED", \
         log.read_text()
+    trained = [record for record in metrics(tmp_path / "run") if "loss" in record]
+    assert [(record["step"], record["ranks"]) for record in trained] == [(1, 1), (2, 1)], log.read_text()
+    assert "trains alone" not in log.read_text()
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
     assert lines[0] == {} and sorted(line["RANK"] for line in lines[1:]) == ["0", "1"], lines
     assert all(line["WORLD_SIZE"] == "2" and line["LOCAL_WORLD_SIZE"] == "2" for line in lines[1:]), lines
