@@ -395,6 +395,16 @@ MUTATIONS = [
              "order_dir each read their own order", "tokstream/reader/order/order_files.py",
              '("shards_per_stream", "chooses", "sampling_method",', '("shards_per_stream", "sampling_method",',
              ("tests/test_order_files.py", "-k", "other_weights")),
+    Mutation("order files: the digest leaves out the seed", "runs sharing an order_dir each read their own order",
+             "tokstream/reader/order/order_files.py", '"shuffle_algo", "shuffle_seed", "num_canonical_nodes",',
+             '"shuffle_algo", "num_canonical_nodes",', ("tests/test_order_files.py", "-k", "every_setting")),
+    Mutation("order files: the digest leaves out the block size", "runs sharing an order_dir each read their own "
+             "order", "tokstream/reader/order/order_files.py", '"shuffle_block_size")}', ")}",
+             ("tests/test_order_files.py", "-k", "every_setting")),
+    Mutation("order files: the digest leaves out the shards' sizes", "runs sharing an order_dir each read their own "
+             "order", "tokstream/reader/order/order_files.py",
+             'described["samples_per_shard"] = hashlib.sha256(self.samples_per_shard.astype("<i8").tobytes()).hexdigest()',
+             "pass", ("tests/test_order_files.py", "-k", "every_setting")),
     Mutation("parts: the merge removes the parts folder whole", "another run's parts beside this merge's stay",
              "tokstream/convert/text_parts.py", "    _remove_parts(directories, parts_root(out, options.staging_dir))",
              "    shutil.rmtree(parts_root(out, options.staging_dir))",

@@ -76,6 +76,28 @@ def test_mixtures_of_the_same_datasets_at_other_weights_share_an_order_dir_and_e
         assert read(dataclasses.replace(config, order_dir=shared), plan, 12)[0] == in_memory[id(config)]
 
 
+def test_every_setting_an_epochs_order_depends_on_names_its_file(mixture):
+    """Runs sharing an order_dir read one file only when every setting their order depends on is the same: each
+    setting an order file's inputs hold, changed alone, gives another order of the epoch and another file name (one
+    left out of the name, a run would silently read another's order: a seed, a block size, the canonical nodes)."""
+    order = SampleOrder(open_dataset(mixture), 8)
+    try:
+        inputs = order_inputs(order._loader.dataset)  # with the door's computation of an order
+    finally:
+        order.close()
+    inputs = dataclasses.replace(inputs, samples_per_shard=np.array([30, 20, 25, 26, 40]), shards_per_stream=[3, 2],
+                                 chooses=[70, 40])
+    changes = {"samples_per_shard": np.array([30, 25, 20, 26, 40]), "shards_per_stream": [2, 3], "chooses": [71, 39],
+               "sampling_method": "fixed", "sampling_granularity": 4, "epoch_seed_change": False, "shuffle": False,
+               "shuffle_algo": "py1s", "shuffle_seed": 9177, "num_canonical_nodes": 3, "shuffle_block_size": 17}
+    assert set(changes) == {f.name for f in dataclasses.fields(inputs) if f.init and f.compare}  # a new one too
+    epoch = inputs.compute(inputs, 1)
+    for name, value in changes.items():
+        other = dataclasses.replace(inputs, **{name: value})
+        assert not np.array_equal(other.compute(other, 1), epoch), name
+        assert order_files.order_path(other, 1, "orders") != order_files.order_path(inputs, 1, "orders"), name
+
+
 def test_the_next_epoch_is_built_ahead_for_a_reader_started_from_anywhere(mixture, tmp_path):
     """As train/main.py runs: in another folder, the repository on the process's own path alone (not PYTHONPATH).
     Here the process imports from the repository's folder, then moves to another before it reads."""
