@@ -4,6 +4,7 @@ setting that would silently do nothing is refused. The end-to-end runs are in te
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import torch
 from conftest import ROOT
 
 from tokstream.errors import UserError
-from tokstream.train.checkpoint_files import Survey, write_checkpoint
+from tokstream.train.checkpoint_files import Survey, checkpoint_name, manifest_name, write_checkpoint
 from tokstream.train.config import load_config
 from tokstream.train.metrics import METRICS_FILE, parse_records
 from tokstream.train.preemption import PREEMPTED_EXIT_STATUS
@@ -152,17 +153,36 @@ def test_the_guards_window_across_a_resume_judges_as_the_uninterrupted_guard():
     assert [fresh.judge(*step) for step in steps[40:]][10] is None
 
 
-def test_a_rewind_moves_a_save_cut_off_after_its_target_so_the_branch_never_overwrites_it(tmp_path):
-    """A save at 16 cut off before its manifest (the data file whole, or partial): the rewind to 8 sets it aside
-    with 12, so the branch's own save at 16 overwrites nothing."""
-    store = LocalRunStore(tmp_path / "run")
-    saved_run(store, [4, 8, 12], lines_to(16))
-    (tmp_path / "run" / "ckpt-00000016.pt").write_bytes(b"a save cut off before its manifest")
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_rewind_moves_every_save_after_its_target_cut_off_or_not_so_the_branch_never_overwrites_one(where, tmp_path,
+                                                                                                   request):
+    """After the target at 8: a checkpoint at the very next step, one at 12, a save at 16 cut off before its manifest
+    and a manifest at 20 whose data file is gone. The rewind to 8 sets every one of them aside byte for byte, and
+    leaves nothing of theirs where the branch saves those steps again."""
+    store = run_store(where, tmp_path, request, "rewind-cut-off")
+    saved_run(store, [4, 8, 9, 12], lines_to(20))
+    store.publish_bytes(checkpoint_name(16), b"a save cut off before its manifest")
+    store.publish_bytes(manifest_name(20), store.read_bytes(manifest_name(12)))  # its data file is gone
+    later = [checkpoint_name(9), manifest_name(9), checkpoint_name(12), manifest_name(12), checkpoint_name(16),
+             manifest_name(20)]
+    before = {name: store.read_bytes(name) for name in later}
+    kept = {name: store.read_bytes(name) for name in store.names() if name.startswith("ckpt-") and name not in later}
     said = rewind(store, 8, [[9, 11]])
-    assert said.startswith("resume_from=8: rewound; checkpoints 12, 16 and metrics.jsonl as it was moved to"), said
-    (folder,) = (tmp_path / "run" / ABANDONED).iterdir()
-    assert (folder / "ckpt-00000016.pt").read_bytes() == b"a save cut off before its manifest"
-    assert not (tmp_path / "run" / "ckpt-00000016.pt").exists()
+    assert said.startswith("resume_from=8: rewound; checkpoints 9, 12, 16, 20 and metrics.jsonl as it was moved to"), \
+        said
+    folder = re.search(rf"({ABANDONED}/after-00000008-[^/ ]+)", said).group(1)
+    assert {name: store.read_bytes(f"{folder}/{name}") for name in later} == before
+    assert not set(later) & set(store.names())
+    assert len(kept) == 4 and {name: store.read_bytes(name) for name in kept} == kept  # 4 and 8, as they were
+
+
+def run_store(where: str, tmp_path, request, prefix: str):
+    """A run_dir's store: a local folder, or an S3 prefix on the tests' loopback S3."""
+    if where == "local":
+        return LocalRunStore(str(tmp_path / "run"))
+    request.getfixturevalue("proxy")
+    from conftest import BUCKET
+    return S3RunStore(f"s3://{BUCKET}/{prefix}", tmp_path / "local")
 
 
 def saved_run(store, steps: list[int], lines: list[dict], config: dict | None = None) -> None:
