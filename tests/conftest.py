@@ -41,6 +41,18 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def torchruns_logs_under_the_tests_temp(tmp_path_factory):
+    """torchrun's agent makes a log folder per launch (tempfile.mkdtemp, "torchelastic_*") and leaves it: the
+    suite's launches put theirs under pytest's own temp folder, which pytest rotates, not in /tmp for ever. Set
+    as torchrun's own variable for --log-dir, which every launch inherits (the demo, Slurm's jobs included)."""
+    folder = tmp_path_factory.getbasetemp() / "torchrun-logs"
+    folder.mkdir(exist_ok=True)
+    os.environ["PET_LOG_DIR"] = str(folder)
+    yield
+    del os.environ["PET_LOG_DIR"]
+
+
+@pytest.fixture(scope="session", autouse=True)
 def remove_the_lock_files_streaming_leaves():
     from tokstream.testing.lock_files import removing_new_lock_files
 
