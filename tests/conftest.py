@@ -47,9 +47,13 @@ def torchruns_logs_under_the_tests_temp(tmp_path_factory):
     as torchrun's own variable for --log-dir, which every launch inherits (the demo, Slurm's jobs included)."""
     folder = tmp_path_factory.getbasetemp() / "torchrun-logs"
     folder.mkdir(exist_ok=True)
+    given = os.environ.get("PET_LOG_DIR")
     os.environ["PET_LOG_DIR"] = str(folder)
     yield
-    del os.environ["PET_LOG_DIR"]
+    if given is None:
+        del os.environ["PET_LOG_DIR"]
+    else:
+        os.environ["PET_LOG_DIR"] = given
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,6 +11,7 @@ from test_training import finish, launch, metrics, train, wait_for
 from test_training import launch as launch_to
 from warm_ranks import run_warm
 
+from tokstream.testing.processes import identified, notice_when
 from tokstream.train.checkpoint_files import latest_step
 from tokstream.train.run_store import LocalRunStore
 
@@ -103,8 +104,9 @@ def test_a_rewind_with_a_skip_trains_as_a_run_that_always_skipped_and_keeps_the_
         lines = metrics(run_dir)
         return len(lines) >= 13 and "relaunch" in lines[8] and (latest_step(store) or 0) >= 12
 
-    wait_for(the_branch_saved_12)
-    first.send_signal(signal.SIGTERM)
+    # Held from their start until then: steps take milliseconds, and a SIGTERM sent as they go lands after step 16.
+    notice_when(lambda: identified(rank.pid for rank in first.processes), the_branch_saved_12,
+                lambda: first.send_signal(signal.SIGTERM), signal.SIGTERM)
     said = first.communicate(timeout=120)[0]
     assert "resume_from=8: rewound; checkpoints 12, 16 and metrics.jsonl as it was moved to" in said, said
     stopped = latest_step(store)

@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,10 +19,9 @@ from test_training import BASE, STEPS, metrics, trained_steps, wait_for
 
 from tokstream.convert.resume import PART_DONE_FILE
 from tokstream.errors import UserError
-from tokstream.reader.stale_shm import _start_time
 from tokstream.slurm import alone_in_a_bigger_job, array_part, ranks_from_srun, tasks_per_node
 from tokstream.testing.loopback_s3 import free_port
-from tokstream.testing.processes import signal_state, stopped
+from tokstream.testing.processes import notice_when, rank_pids
 
 SLURM = ROOT / "examples" / "slurm"
 
@@ -130,7 +128,8 @@ def test_srun_steps_smaller_than_their_job_get_their_own_world_through_the_real_
     alone = shlex.join(["python", "train/main.py", *BASE, f"data.remote={dataset}", f"run_dir={tmp_path / 'run'}",
                         "max_steps=2", "optim.decay_steps=2", "eval_interval=0"])
     script.write_text(f"#!/bin/bash\nexport MASTER_ADDR=127.0.0.1 MASTER_PORT={free_port()}\n"
-                      f"srun -n 1 {alone}\nsrun -n 1 python -c '{probe}'\nsrun -n 2 python -c '{probe}'\n")
+                      # a rank waiting for 3 more would hold the job for the store's 10 minutes: a minute fails it
+                      f"timeout 60 srun -n 1 {alone}\nsrun -n 1 python -c '{probe}'\nsrun -n 2 python -c '{probe}'\n")
     log = tmp_path / "steps.out"
     job = slurm.sbatch("--ntasks=4", "--cpus-per-task=1", f"--output={log}", str(script), cwd=ROOT, env=job_env())
     assert slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=180)["JobState"] == "COMPLETED", \
@@ -168,71 +167,18 @@ def launches(run_dir: Path) -> list[dict]:
     return [record["relaunch"] for record in metrics(run_dir) if "relaunch" in record]
 
 
-def rank_pids(run_dir: Path) -> list[tuple[int, int]]:
-    """The job's ranks on this node, each as (pid, start time): the train/main.py processes training into
-    `run_dir`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # not a process, or ended
-            continue
-        if len(argv) > 1 and argv[1].endswith(b"train/main.py") and f"run_dir={run_dir}".encode() in argv:
-            found.append((int(entry.name), _start_time(int(entry.name))))
-    return [(pid, start) for pid, start in found if start is not None]
-
-
-def running(rank: tuple[int, int]) -> bool:
-    """Whether that process (not another that took its pid) is still there, not a zombie."""
-    return _start_time(rank[0]) == rank[1]
-
-
-def notice_when(run_dir: Path, ready, send, signum: int) -> None:
-    """`send()` a notice (or a kill), signal `signum`, once `ready()`, the launch's ranks held (SIGSTOP) from their
-    start and let go 5 ms at a time until then: steps take milliseconds, so a notice sent as the run goes lands steps
-    later, on a loaded machine after the run's last. They go on once `signum` is pending in each (or it has ended,
-    or Slurm has let it go on: its SIGCONT comes with the signal)."""
-    wait_for(lambda: len(rank_pids(run_dir)) == 2, timeout=240)
-    ranks = rank_pids(run_dir)
-
-    def hold(how: int) -> None:
-        for rank in ranks:
-            if running(rank):
-                try:
-                    os.kill(rank[0], how)
-                except ProcessLookupError:  # ended meanwhile
-                    pass
-
-    def noticed(rank: tuple[int, int]) -> bool:
-        return (not running(rank) or signal_state(rank[0], signum) in ("pending", "held", None)
-                or not stopped(rank[0]))
-
-    deadline = time.monotonic() + 240  # well inside pytest's timeout, whose exit would skip the `finally`
-    hold(signal.SIGSTOP)
-    try:
-        while not ready():
-            assert all(running(rank) for rank in ranks), "a rank ended before the notice"
-            assert time.monotonic() < deadline, "the ranks did not get to the notice's step"
-            hold(signal.SIGCONT)
-            time.sleep(0.005)
-            hold(signal.SIGSTOP)
-        send()
-        wait_for(lambda: all(noticed(rank) for rank in ranks), timeout=60)
-    finally:
-        hold(signal.SIGCONT)
-
-
 @pytest.mark.long
 def test_a_preempted_job_is_requeued_by_slurm_and_resumes_exactly(slurm, reference, dataset, tmp_path):
     run, log = tmp_path / "run", tmp_path / "job.out"
     job = submit_training(slurm, dataset, run, log)
     # The time limit's notice (--signal=USR1@180, sent now): the ranks save and exit 75; the script requeues.
-    notice_when(run, lambda: len(metrics(run)) >= 3, lambda: slurm.run("scancel", "--signal=USR1", job),
-                signal.SIGUSR1)
+    notice_when(lambda: rank_pids(run), lambda: len(metrics(run)) >= 3,
+                lambda: slurm.run("scancel", "--signal=USR1", job), signal.SIGUSR1)
     slurm.eligible_now(job, restarts=1)
     # A preemption: scontrol requeue sends SIGTERM, and Slurm requeues the job itself.
     first_stop = len(metrics(run))
-    notice_when(run, lambda: len(metrics(run)) >= first_stop + 3, lambda: slurm.run("scontrol", "requeue", job),
+    notice_when(lambda: rank_pids(run), lambda: len(metrics(run)) >= first_stop + 3,
+                lambda: slurm.run("scontrol", "requeue", job),
                 signal.SIGTERM)
     slurm.eligible_now(job, restarts=2)
     record = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
@@ -250,7 +196,8 @@ def test_a_preempted_job_is_requeued_by_slurm_and_resumes_exactly(slurm, referen
 def test_a_job_killed_hard_and_submitted_again_resumes_from_its_last_checkpoint(slurm, reference, dataset, tmp_path):
     run, log = tmp_path / "run", tmp_path / "job.out"
     job = submit_training(slurm, dataset, run, log)
-    notice_when(run, lambda: (run / "LATEST").exists() and len(metrics(run)) >= 6, lambda: slurm.kill_hard(job),
+    notice_when(lambda: rank_pids(run), lambda: (run / "LATEST").exists() and len(metrics(run)) >= 6,
+                lambda: slurm.kill_hard(job),
                 signal.SIGKILL)
     record = slurm.wait_for(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120)
     assert record["JobState"] == "FAILED", log.read_text()[-3000:]

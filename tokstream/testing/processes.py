@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 from pathlib import Path
 
 
@@ -72,3 +73,79 @@ def stopped(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
     except OSError:
         return False
+
+
+def rank_pids(run_dir) -> list[tuple[int, int]]:
+    """The ranks of a run on this machine, each as (pid, start time): the train/main.py processes training into
+    `run_dir`, started by srun, torchrun or python (not their forks: DataLoader workers have the same command)."""
+    from tokstream.reader.stale_shm import _start_time
+
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # not a process, or ended
+            continue
+        if any(arg.endswith(b"train/main.py") for arg in argv[1:3]) and f"run_dir={run_dir}".encode() in argv:
+            found.add(int(entry.name))
+    parents = _parents()
+    ranks = sorted((pid, _start_time(pid)) for pid in found if parents.get(pid) not in found)
+    return [(pid, start) for pid, start in ranks if start is not None]
+
+
+def identified(pids) -> list[tuple[int, int]]:
+    """Each of these processes still running as (pid, start time): a pid taken again later is told apart."""
+    from tokstream.reader.stale_shm import _start_time
+
+    found = [(pid, _start_time(pid)) for pid in pids]
+    return [(pid, start) for pid, start in found if start is not None]
+
+
+def running(rank: tuple[int, int]) -> bool:
+    """Whether that process (not another that took its pid) is still there, not a zombie."""
+    from tokstream.reader.stale_shm import _start_time
+
+    return _start_time(rank[0]) == rank[1]
+
+
+def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def notice_when(find_ranks, ready, send, signum: int, ranks: int = 2) -> None:
+    """`send()` a notice (or a kill), signal `signum`, once `ready()`, the run's `ranks` ranks (`find_ranks()`: each
+    as (pid, start time)) held (SIGSTOP) from their start and let go 5 ms at a time until then: steps take
+    milliseconds, so a notice sent as the run goes lands steps later, on a loaded machine (or a fast one) after the
+    run's last. They go on once `signum` is pending in each (or it has ended, or Slurm has let it go on: its SIGCONT
+    comes with the signal)."""
+    _wait(lambda: len(find_ranks()) == ranks, 240, f"the run's {ranks} ranks did not start")
+    held = find_ranks()
+
+    def hold(how: int) -> None:
+        for rank in held:
+            if running(rank):
+                try:
+                    os.kill(rank[0], how)
+                except ProcessLookupError:  # ended meanwhile
+                    pass
+
+    def noticed(rank: tuple[int, int]) -> bool:
+        return (not running(rank) or signal_state(rank[0], signum) in ("pending", "held", None)
+                or not stopped(rank[0]))
+
+    deadline = time.monotonic() + 240  # well inside pytest's timeout, whose exit would skip the `finally`
+    hold(signal.SIGSTOP)
+    try:
+        while not ready():
+            assert all(running(rank) for rank in held), "a rank ended before the notice"
+            assert time.monotonic() < deadline, "the ranks did not get to the notice's step"
+            hold(signal.SIGCONT)
+            time.sleep(0.005)
+            hold(signal.SIGSTOP)
+        send()
+        _wait(lambda: all(noticed(rank) for rank in held), 60, "the ranks did not get the notice")
+    finally:
+        hold(signal.SIGCONT)
