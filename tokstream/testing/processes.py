@@ -108,11 +108,11 @@ def running(rank: tuple[int, int]) -> bool:
     return _start_time(rank[0]) == rank[1]
 
 
-def _wait(condition, timeout: float, what: str) -> None:
+def _wait(condition, timeout: float, what: str, every: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+        time.sleep(every)
 
 
 def notice_when(find_ranks, ready, send, signum: int, ranks: int = 2) -> None:
@@ -132,19 +132,24 @@ def notice_when(find_ranks, ready, send, signum: int, ranks: int = 2) -> None:
                 except ProcessLookupError:  # ended meanwhile
                     pass
 
+    def stop() -> None:  # and wait until each is stopped: one still running would take the signal sent next itself
+        hold(signal.SIGSTOP)
+        _wait(lambda: all(stopped(rank[0]) or not running(rank) for rank in held), 30, "the ranks did not stop",
+              every=0.001)
+
     def noticed(rank: tuple[int, int]) -> bool:
         return (not running(rank) or signal_state(rank[0], signum) in ("pending", "held", None)
                 or not stopped(rank[0]))
 
     deadline = time.monotonic() + 240  # well inside pytest's timeout, whose exit would skip the `finally`
-    hold(signal.SIGSTOP)
+    stop()
     try:
         while not ready():
             assert all(running(rank) for rank in held), "a rank ended before the notice"
             assert time.monotonic() < deadline, "the ranks did not get to the notice's step"
             hold(signal.SIGCONT)
             time.sleep(0.005)
-            hold(signal.SIGSTOP)
+            stop()
         send()
         _wait(lambda: all(noticed(rank) for rank in held), 60, "the ranks did not get the notice")
     finally:
