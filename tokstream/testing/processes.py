@@ -78,8 +78,6 @@ def stopped(pid: int) -> bool:
 def rank_pids(run_dir) -> list[tuple[int, int]]:
     """The ranks of a run on this machine, each as (pid, start time): the train/main.py processes training into
     `run_dir`, started by srun, torchrun or python (not their forks: DataLoader workers have the same command)."""
-    from tokstream.reader.stale_shm import _start_time
-
     found = set()
     for entry in Path("/proc").iterdir():
         try:
@@ -89,8 +87,7 @@ def rank_pids(run_dir) -> list[tuple[int, int]]:
         if any(arg.endswith(b"train/main.py") for arg in argv[1:3]) and f"run_dir={run_dir}".encode() in argv:
             found.add(int(entry.name))
     parents = _parents()
-    ranks = sorted((pid, _start_time(pid)) for pid in found if parents.get(pid) not in found)
-    return [(pid, start) for pid, start in ranks if start is not None]
+    return identified(sorted(pid for pid in found if parents.get(pid) not in found))
 
 
 def identified(pids) -> list[tuple[int, int]]:
